@@ -1,0 +1,30 @@
+# Two commands set up a fresh machine (see README): `make run` (the main job) and `make test`.
+# Each creates .venv with torch==2.13.0 (CPU build) pinned by constraints.txt.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+CONFIG ?= configs/tiny.yaml
+
+.PHONY: venv run smoke test clean
+
+$(VENV)/.installed: requirements.txt constraints.txt setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
+	$(PY) -m pip install -q -c constraints.txt --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/megarl train --config $(CONFIG) --run-dir $(RUN_DIR)
+
+smoke: venv
+	$(VENV)/bin/megarl train --config configs/smoke.yaml --run-dir runs/smoke-$(shell date +%Y%m%d-%H%M%S)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

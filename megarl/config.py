@@ -1,0 +1,167 @@
+"""The run config: one nested dataclass tree, loaded from YAML with dotted overrides.
+
+Each component owns its section's dataclass (task, trainer, ...); this module assembles them
+and owns the sections that belong to the RL loop itself. ``load_config`` validates the whole
+tree before any work starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from megarl.rl.task import TaskConfig
+from megarl.stream_train.trainer import TrainerConfig
+from megarl.utils.dataclass_config import ConfigError, apply_overrides, from_dict, to_dict
+
+
+@dataclass
+class ModelConfig:
+    """The policy's architecture, or the HF checkpoint it starts from."""
+
+    init_from_hf: str | None = None
+    """Local HF model folder (config.json + safetensors) to start from; the fields below are
+    then ignored. None builds a fresh model from them (vocab size from the tokenizer)."""
+    model_type: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture family of a fresh model."""
+    hidden_size: int = 64
+    """Residual width of a fresh model."""
+    intermediate_size: int = 192
+    """SwiGLU width of a fresh model."""
+    num_hidden_layers: int = 2
+    """Decoder layers of a fresh model."""
+    num_attention_heads: int = 4
+    """Query heads of a fresh model."""
+    num_key_value_heads: int = 2
+    """KV heads of a fresh model (GQA)."""
+    rope_theta: float = 10000.0
+    """RoPE base of a fresh model."""
+    tie_word_embeddings: bool = True
+    """Whether a fresh model's LM head shares the embedding."""
+    max_position_embeddings: int = 512
+    """Longest prompt + response a fresh model is configured for."""
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    source: Literal["addition", "jsonl"] = "addition"
+    """``addition``: the synthetic long-tail task (``task`` section); ``jsonl``: rows with
+    ``prompt`` and ``answer`` from ``jsonl_path``, tokenized by the HF tokenizer at ``tokenizer_path``."""
+    jsonl_path: str | None = None
+    """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (source=jsonl)."""
+    tokenizer_path: str | None = None
+    """Local HF tokenizer folder (source=jsonl); defaults to model.init_from_hf."""
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled (DESIGN.md §2: counter-based Gumbel sampling)."""
+
+    prompts_per_step: int = 8
+    """Prompts (GRPO groups) per RL step."""
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables."""
+    max_new_tokens: int = 256
+    """Longest response; longer ones are cut (finish_reason=length)."""
+    max_batch_size: int = 64
+    """Requests decoded together (continuous batching)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Engine weights/activations dtype."""
+    device: str = "cpu"
+    """Engine device (``cpu`` or ``cuda``)."""
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO objective (megarl/rl/grpo.py)."""
+
+    clip_eps_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO clip above: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference (the post-SFT policy); 0 turns it off (no ref forward)."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's std."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up on the task's worked solutions, before RL."""
+
+    steps: int = 300
+    """Optimizer steps of SFT; 0 skips SFT."""
+    batch_size: int = 32
+    """Solutions per SFT step."""
+    lr: float = 3e-3
+    """Learning rate of the SFT phase (the RL phase uses trainer.lr)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole megarl run."""
+
+    seed: int = 1234
+    """Run seed: model init, data order and sampling noise all derive from it."""
+    rl_steps: int = 30
+    """GRPO steps."""
+    checkpoint_every: int = 10
+    """Write a resumable checkpoint every N RL steps (and after SFT); 0 disables."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    progress: bool = True
+    """Show progress bars."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy architecture or starting checkpoint."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt source."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Synthetic task settings (data.source=addition)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and engine settings."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Megatron trainer settings."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """RL objective."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm-up."""
+
+    def __post_init__(self):
+        if self.data.source == "jsonl" and not self.data.jsonl_path:
+            raise ValueError("data.jsonl_path is required when data.source=jsonl")
+        if self.data.source == "jsonl" and not (self.data.tokenizer_path or self.model.init_from_hf):
+            raise ValueError("data.tokenizer_path (or model.init_from_hf) is required when data.source=jsonl")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None = defaults), apply ``key.path=value`` overrides, validate."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at top level")
+    data = apply_overrides(data, list(overrides), RunConfig)
+    return from_dict(RunConfig, data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,220 @@
+"""Counter-based Gumbel-max sampler (DESIGN.md §2, the exactness contract).
+
+A sampled token is ``argmax(filter(logits / T) + g)`` where the Gumbel noise ``g[v]`` is a pure
+function of the key (run seed, RL step, prompt uid, sample index, position, v). No stateful
+generator is involved, so a response does not depend on batch composition, scheduling or
+speculation, and a Triton kernel can regenerate the same noise bit for bit.
+
+Exact noise formula (everything is unsigned 32-bit arithmetic; the torch code emulates it in
+int64 tensors masked to 32 bits)::
+
+    key words (uint32): w = [seed & M, (seed >> 32) & M, step & M,
+                             uid & M, (uid >> 32) & M, sample_idx & M, position & M, v]
+                        (M = 0xFFFFFFFF; uid is taken as a 64-bit two's-complement integer)
+    h = MurmurHash3_x86_32 of the 32-byte little-endian message w[0..7], murmur seed 0:
+        h = 0
+        for k in w:
+            k = k * 0xCC9E2D51; k = rotl32(k, 15); k = k * 0x1B873593
+            h = h ^ k; h = rotl32(h, 13); h = h * 5 + 0xE6546B64
+        h = h ^ 32                                    # message length in bytes
+        h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16
+    u = float32(h >> 9) * 2**-23 + 2**-24            # every step exact in fp32
+    g = -log(-log(u))                                 # computed in float32
+    noise = g cast to the logits dtype
+
+``u`` uses the 23 high bits of ``h`` (not 24): with 24 bits the half-step offset needs 25
+significant bits, so fp32 rounds the largest ``u`` to exactly 1.0 and ``g`` becomes +inf
+(about 1% of rows at a 150k vocab). With 23 bits ``u`` lies exactly on the grid
+``(2j+1) / 2**24`` inside (0, 1), so ``g`` is finite in [-2.81, 16.6].
+
+``position`` is the index of the generated token within the response (0 = first generated
+token), so the prompt length never enters the noise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0xCC9E2D51, 0x1B873593
+_F1, _F2 = 0x85EBCA6B, 0xC2B2AE35
+_N = 0xE6546B64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples its response."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax of the raw logits, no noise)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 turns the filter off."""
+    top_p: float = 1.0
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches
+    top_p (at least one token); 1.0 turns the filter off."""
+    max_new_tokens: int = 256
+    """Longest response, in generated tokens (the stop token counts)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after one of these tokens is sampled; the token is kept in the output.
+    The engine adds nothing here: list the model's EOS explicitly."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid; valid range: >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is invalid; valid range: int >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} is invalid; valid range: (0, 1] (1.0 = off)")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} is invalid; valid range: int >= 1")
+        stop = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid; valid: tuple of ints >= 0")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based Gumbel noise
+# ---------------------------------------------------------------------------------------------
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for 0 <= a < 2**32, split into 16-bit halves of c so that no int64
+    intermediate overflows (signed overflow is not something to rely on)."""
+    lo = a * (c & 0xFFFF)
+    hi = ((a * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _scramble(k: torch.Tensor) -> torch.Tensor:
+    """Murmur3's per-block key scramble."""
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _absorb(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One murmur3 body round: fold the 32-bit word k into the state h."""
+    h = _rotl32(h ^ _scramble(k), 13)
+    return (h * 5 + _N) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _F1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _F2)
+    return h ^ (h >> 16)
+
+
+def noise_hash(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
+               position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The raw 32-bit hash h (as int64 in [0, 2**32)) of every (row, v), shape [N, V]."""
+    seed &= (1 << 64) - 1
+    dev = prompt_uid.device
+    uid = prompt_uid.to(torch.int64)
+    words = [
+        torch.full_like(uid, seed & _M32),
+        torch.full_like(uid, seed >> 32),
+        torch.full_like(uid, step & _M32),
+        uid & _M32,
+        (uid >> 32) & _M32,
+        sample_idx.to(dev, torch.int64) & _M32,
+        position.to(dev, torch.int64) & _M32,
+    ]
+    h = torch.zeros_like(uid)
+    for w in words:  # per-row prefix of the message: O(N) work
+        h = _absorb(h, w)
+    # Last word is the token id; only this part is O(N * V).
+    kv = _scramble(torch.arange(vocab_size, dtype=torch.int64, device=dev))
+    h = _rotl32(h[:, None] ^ kv[None, :], 13)
+    h = (h * 5 + _N) & _M32
+    return _fmix32(h ^ 32)
+
+
+def gumbel_noise(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
+                 position: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Standard Gumbel noise [N, V] keyed by (seed, step, uid, sample_idx, position, v).
+
+    ``prompt_uid``, ``sample_idx``, ``position`` are int tensors [N] on the target device.
+    See the module docstring for the exact formula."""
+    h = noise_hash(seed, step, prompt_uid, sample_idx, position, vocab_size)
+    u = (h >> 9).to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
+    return (-torch.log(-torch.log(u))).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtering and sampling
+# ---------------------------------------------------------------------------------------------
+
+def _as_col(x, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Scalar or [N] tensor -> [N, 1] tensor (per-row sampling parameters)."""
+    t = torch.as_tensor(x, dtype=dtype, device=device)
+    return t.reshape(-1, 1).expand(n, 1) if t.numel() == 1 else t.reshape(n, 1)
+
+
+def _effective_temperature(temperature, n: int, dtype, device) -> torch.Tensor:
+    """Per-row temperature [N, 1] with greedy rows (T=0) read as T=1 (for logprob/entropy)."""
+    t = _as_col(temperature, n, dtype, device)
+    return torch.where(t == 0, torch.ones_like(t), t)
+
+
+def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """``logits / T`` with tokens outside the top-k set and the top-p nucleus set to -inf.
+
+    Each parameter is a scalar or a tensor [N] (one value per row). T=0 rows are scaled by 1
+    (the caller takes their argmax anyway). Top-k is applied first, then top-p on the
+    renormalised top-k distribution (the HF / vLLM order). Ties are broken by a stable sort:
+    among equal logits the lower token id ranks first, so the kept set is deterministic."""
+    n, vocab = logits.shape
+    dev = logits.device
+    scaled = logits / _effective_temperature(temperature, n, logits.dtype, dev)
+    k = _as_col(top_k, n, torch.int64, dev)
+    p = _as_col(top_p, n, logits.dtype, dev)
+    k_on, p_on = k > 0, p < 1.0
+    if not bool((k_on | p_on).any()):  # nothing to filter: skip the O(V log V) sort
+        return scaled
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    keep = ~k_on | (rank < k)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly higher-ranked tokens
+    # A token joins the nucleus while the mass above it is still short of top_p; rank 0 always
+    # joins. top_p = 1 is "off" explicitly, since rounding can push the cumsum to 1 early.
+    keep = keep & (~p_on | (before < p) | (rank == 0))
+    mask = torch.zeros_like(keep).scatter(1, order, keep)
+    return scaled.masked_fill(~mask, float("-inf"))
+
+
+class SampleOutput(NamedTuple):
+    tokens: torch.Tensor
+    """Sampled token ids [N] (int64)."""
+    logprobs: torch.Tensor
+    """log softmax(logits / T) of the sampled token [N] (unfiltered; T=1 for greedy rows)."""
+    entropies: torch.Tensor
+    """Entropy of softmax(logits / T) [N] (unfiltered; T=1 for greedy rows)."""
+
+
+def sample(logits: torch.Tensor, noise: torch.Tensor, temperature, top_k=0, top_p=1.0) -> SampleOutput:
+    """Gumbel-max sampling of one token per row of ``logits`` [N, V] with ``noise`` [N, V].
+
+    Greedy rows (T=0) take ``argmax(logits)``; the others ``argmax(filter(logits/T) + noise)``.
+    argmax ties resolve to the lowest token id. Parameters are scalars or tensors [N]."""
+    n = logits.shape[0]
+    t = _as_col(temperature, n, logits.dtype, logits.device)
+    greedy_tok = torch.argmax(logits, dim=-1)
+    sampled_tok = torch.argmax(filter_logits(logits, temperature, top_k, top_p) + noise, dim=-1)
+    tokens = torch.where(t[:, 0] == 0, greedy_tok, sampled_tok)
+
+    stat_dtype = torch.promote_types(logits.dtype, torch.float32)
+    scaled = logits.to(stat_dtype) / _effective_temperature(temperature, n, stat_dtype, logits.device)
+    logp = torch.log_softmax(scaled, dim=-1)
+    p = logp.exp()
+    # p * logp with p = 0 (a -inf logit) is 0, not nan.
+    entropies = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    logprobs = logp.gather(1, tokens[:, None])[:, 0]
+    return SampleOutput(tokens, logprobs, entropies)

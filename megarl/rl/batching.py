@@ -1,0 +1,29 @@
+"""Turning (prompt, response) token lists into trainer batches.
+
+Convention shared with the trainer: ``input_ids[b, t]`` is the t-th token of row b (right
+padded); ``loss_mask[b, t]`` (shape [B, T-1]) is 1 when the prediction made at t, i.e. of token
+t+1, is a response token to train on.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    t = max(lengths)
+    input_ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(prompts), t - 1), dtype=torch.float32)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        if not p:
+            raise ValueError(f"row {b} has an empty prompt: the first response token needs a prefix")
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        loss_mask[b, len(p) - 1 : len(p) + len(r) - 1] = 1.0
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def response_logprobs(token_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per-row logprobs of the response tokens only (for comparisons with the engine)."""
+    return [row[m.bool()] for row, m in zip(token_logprobs, loss_mask)]

@@ -1,0 +1,122 @@
+"""The synchronous GRPO run: SFT warm-up, then per step rollout -> rewards -> train -> weight sync.
+
+The top-level loop stays one screen long (slime's train.py); each stage lives in its module.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_checkpoint
+from megarl.config import RunConfig, dump_config
+from megarl.engine import Engine, EngineConfig
+from megarl.models.hf_io import save_hf_model
+from megarl.models.llama import CausalLM
+from megarl.parallel.dist import init_distributed, shutdown_distributed
+from megarl.parallel.weight_sync import sync_weights
+from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
+from megarl.rl.sft import run_sft
+from megarl.rl.update import grpo_update
+from megarl.setup_run import RunInputs, prepare_inputs
+from megarl.stream_train.trainer import Trainer
+from megarl.utils.fs import atomic_write_text
+
+log = logging.getLogger("megarl")
+TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps")
+
+
+class RunDirError(ValueError):
+    """The run directory does not fit the request (exists without --resume, nothing to resume)."""
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
+    """Decide where to start before touching anything; returns the checkpoint to resume from."""
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise RunDirError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} to resume from")
+        return ckpt
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise RunDirError(f"run dir {run_dir} already holds a run: pass --resume to continue it, "
+                          f"or choose another --run-dir")
+    return None
+
+
+def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None) -> list[dict]:
+    """Run ``cfg`` in ``run_dir``; returns the metrics of the steps run by this call."""
+    run_dir = Path(run_dir)
+    inputs = inputs or prepare_inputs(cfg)  # all bad input fails here, before anything is written
+    ckpt = check_run_dir(run_dir, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    dims = init_distributed()
+    try:
+        return _train(cfg, run_dir, inputs, ckpt, dims)
+    finally:
+        shutdown_distributed()
+
+
+def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims) -> list[dict]:
+    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
+    engine = Engine(CausalLM(inputs.args), EngineConfig(
+        max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
+        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed)
+    start, trainer_state = 0, {}
+    if ckpt is not None:
+        trainer_state, loop_state = load_checkpoint(ckpt)
+        trainer.load_state_dict(trainer_state)
+        start = loop_state["step"]
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
+        log.info("resumed from %s (step %d)", ckpt, start)
+    elif cfg.sft.steps > 0:
+        sft = run_sft(trainer, inputs, cfg)
+        log.info("SFT done: %s", sft)
+        atomic_write_text(run_dir / "sft.json", json.dumps(sft))
+        if cfg.checkpoint_every:
+            save_checkpoint(run_dir, 0, trainer.state_dict(), {}, keep=cfg.keep_checkpoints)
+    trainer.set_lr(cfg.trainer.lr)
+    ref = None
+    if cfg.grpo.kl_coef > 0:  # reference = the policy RL starts from (after SFT)
+        if start > 0 and "ref" not in trainer_state:
+            raise RunDirError(f"{ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
+                              f"resume with grpo.kl_coef=0")
+        ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
+        ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
+    sync_weights(trainer, engine)
+    rollout = RolloutStage(engine, inputs, cfg)
+    history = []
+    bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress, initial=start,
+               total=cfg.rl_steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+        groups = rollout.run(uids, step)
+        t1 = time.perf_counter()
+        metrics = grpo_update(trainer, groups, cfg, inputs, ref)
+        t2 = time.perf_counter()
+        metrics.update(sync_weights(trainer, engine))
+        metrics.update(step=step + 1, **rollout.metrics(groups), rollout_time_s=t1 - t0, train_time_s=t2 - t1,
+                       step_time_s=time.perf_counter() - t0)
+        history.append(metrics)
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            extra = {"ref": ref.state_dict()} if ref is not None else {}
+            save_checkpoint(run_dir, step + 1, {**trainer.state_dict(), **extra}, {}, keep=cfg.keep_checkpoints)
+    save_hf_model(trainer.hf_state_dict(), inputs.args, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)
+    log.info("exported HF checkpoint to %s", run_dir / "hf")
+    return history
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines of steps after the checkpoint: they will be run again."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    atomic_write_text(path, "".join(ln + "\n" for ln in lines))

@@ -1,0 +1,137 @@
+"""The main job end to end (configs/smoke.yaml), resume exactness, export, and bad-input handling.
+
+Runs go through the real CLI in subprocesses: Megatron's parallel state is per process.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TIME_KEYS = {"rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps"}
+REQUIRED = {"step", "reward_mean", "entropy_mean", "response_len_mean", "response_len_max", "rollout_tokens",
+            "target_forwards", "rollout_time_s", "train_time_s", "step_time_s"}
+
+
+def megarl(*args, check=True):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"megarl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir))
+    return run_dir
+
+
+def test_smoke_run_writes_metrics_checkpoints_and_export(smoke_run):
+    metrics = read_metrics(smoke_run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert REQUIRED <= set(m), REQUIRED - set(m)
+        assert m["rollout_tokens"] >= m["response_len_max"] > 0
+        assert m["target_forwards"] >= m["rollout_tokens"]  # no speculation: one forward per token at least
+    assert sorted(p.name for p in (smoke_run / "checkpoints").iterdir()) == \
+        ["step_000000", "step_000002", "step_000004"]
+    assert (smoke_run / "hf" / "model.safetensors").is_file()
+    assert not [p for p in smoke_run.rglob(".*tmp*")], "temporary directories left behind"
+
+
+def test_export_greedy_matches_engine(smoke_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+    from megarl.models.hf_io import load_hf_model
+
+    hf_dir = smoke_run / "hf"
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    ours = load_hf_model(hf_dir)
+    engine = Engine(ours, EngineConfig(max_batch_size=4, max_seq_len=256), seed=0)
+    prompts = ["12+7=", "40+3+25=", "9+81+6+77=", "5+5="]
+    eos = hf.config.eos_token_id
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(eos,))
+    results = engine.generate([Request(uid=i, sample_idx=0, prompt_ids=tok.encode(p, add_special_tokens=False),
+                                       params=params) for i, p in enumerate(prompts)], step=0)
+    for p, res in zip(prompts, results):
+        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
+        out = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        assert out[0, ids.shape[1]:].tolist() == res.tokens, p
+
+
+def test_resume_reproduces_next_steps_exactly(smoke_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(smoke_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    shutil.rmtree(resumed / "hf")
+    megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(resumed), "--resume")
+    full, again = read_metrics(smoke_run), read_metrics(resumed)
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    for a, b in zip(full, again):
+        assert {k: v for k, v in a.items() if k not in TIME_KEYS} == {k: v for k, v in b.items() if k not in TIME_KEYS}
+    from safetensors.torch import load_file
+    w1, w2 = load_file(smoke_run / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_existing_run_dir_needs_resume(smoke_run):
+    proc = megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(smoke_run), check=False)
+    assert proc.returncode == 2 and "pass --resume" in proc.stderr
+
+
+def _assert_clean_failure(proc, run_dir: Path, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("megarl: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[-1], lines[-1]
+    assert not run_dir.exists(), "a failed start left output behind"
+
+
+def test_misspelt_config_key(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text((ROOT / "configs/smoke.yaml").read_text().replace("group_size:", "group_sise:"))
+    run_dir = tmp_path / "run"
+    proc = megarl("train", "--config", str(cfg), "--run-dir", str(run_dir), check=False)
+    _assert_clean_failure(proc, run_dir, "group_sise", "did you mean 'group_size'")
+
+
+def test_missing_hf_file(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32,
+                                                    "hidden_size": 16, "intermediate_size": 32,
+                                                    "num_hidden_layers": 1, "num_attention_heads": 2}))
+    run_dir = tmp_path / "run"
+    proc = megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir),
+                  "--set", f"model.init_from_hf={hf_dir}", check=False)
+    _assert_clean_failure(proc, run_dir, "model.safetensors")
+
+
+def test_dataset_row_without_prompt(tmp_path):
+    from megarl.rl.tokenizer import CharTokenizer
+
+    tok_dir = tmp_path / "tok"
+    CharTokenizer().save_pretrained(tok_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n{"question": "2+2=", "answer": "4"}\n')
+    run_dir = tmp_path / "run"
+    proc = megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir),
+                  "--set", "data.source=jsonl", "--set", f"data.jsonl_path={data}",
+                  "--set", f"data.tokenizer_path={tok_dir}", "--set", "sft.steps=0", check=False)
+    _assert_clean_failure(proc, run_dir, "line 2", "prompt")
