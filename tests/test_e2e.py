@@ -134,4 +134,4 @@ def test_dataset_row_without_prompt(tmp_path):
     proc = megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir),
                   "--set", "data.source=jsonl", "--set", f"data.jsonl_path={data}",
                   "--set", f"data.tokenizer_path={tok_dir}", "--set", "sft.steps=0", check=False)
-    _assert_clean_failure(proc, run_dir, "line 2", "prompt")
+    _assert_clean_failure(proc, run_dir, "data.jsonl:2", "prompt")

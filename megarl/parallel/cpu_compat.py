@@ -1,0 +1,266 @@
+"""Megatron-core on CPU: the one place that patches Megatron-core 0.16.1 to run without CUDA.
+
+Megatron-core assumes a GPU in a handful of places: ``torch.cuda.current_device()`` as a device,
+``device="cuda"`` literals in tensor factories, CUDA streams, the CUDA RNG tracker,
+``Tensor.type() == 'torch.cuda.FloatTensor'`` assertions, and names that only exist when
+Transformer Engine is installed. On a CUDA-less torch each of these raises, so every patch here
+only replaces behaviour that would otherwise fail; with CUDA present ``install()`` does nothing.
+
+How it is done, from least to most invasive:
+- **Scoped torch shim.** Inside the listed Megatron modules (and nowhere else) the module global
+  ``torch`` is replaced by :class:`_CpuTorch`, a proxy that forwards everything to the real
+  ``torch`` except that tensor factories map a CUDA ``device=`` to CPU and ``torch.cuda`` is a
+  CPU stand-in (current device = cpu, streams are no-ops, RNG calls use the CPU generator).
+  megarl's own code and torch itself keep the real module.
+- **Function replacements** where a Megatron function checks a CUDA tensor type or reads the CUDA
+  RNG through private torch APIs.
+- **Missing names** that Megatron references without defining them when TE is absent.
+
+Later work (TP/PP/EP over gloo) adds module names to ``_SHIMMED_MODULES`` or a new ``_patch_*``
+function to ``_PATCHES`` below, with a comment saying why.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_installed = False
+
+# Megatron modules whose global ``torch`` is replaced by the CPU proxy, each with why.
+_SHIMMED_MODULES = {
+    # RotaryEmbedding.get_emb moves inv_freq to ``torch.cuda.current_device()`` on first forward.
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "current_device",
+    # DDP builds a ``torch.cuda.Stream`` for overlapped grad reduce and the buffers allocate
+    # grad/param storage on ``torch.cuda.current_device()`` (and a ``device="cuda"`` warm-up tensor).
+    "megatron.core.distributed.distributed_data_parallel": "cuda stream",
+    "megatron.core.distributed.param_and_grad_buffer": "current_device, streams, device='cuda'",
+    # finalize_model_grads allocates reduction buffers on the current CUDA device.
+    "megatron.core.distributed.finalize_model_grads": "current_device",
+    # The optimizers keep found_inf / overflow buffers / grad-scale tensors on device='cuda'.
+    "megatron.core.optimizer.optimizer": "device='cuda'",
+    # Grad-norm / clip / count-zeros buffers are created with device='cuda'.
+    "megatron.core.optimizer.clip_grads": "device='cuda'",
+    # local_multi_tensor_l2_norm (the apex/TE-free fallback) returns its norm on device='cuda'.
+    "megatron.core.utils": "device='cuda' in local_multi_tensor_l2_norm",
+    # The RNG tracker seeds and snapshots the CUDA generator (torch.cuda.manual_seed / get_rng_state).
+    "megatron.core.tensor_parallel.random": "cuda rng",
+}
+
+# Tensor factories whose ``device=`` the proxy maps from CUDA to CPU.
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided",
+)
+
+
+def _cpu_device(device: Any) -> Any:
+    """CPU for anything naming a CUDA device (``"cuda"``, ``"cuda:0"``, a cuda ``torch.device``,
+    or a bare device index as returned by ``torch.cuda.current_device()`` on GPU)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _remap_factory(fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "factory")
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is issued in order, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """``torch.cuda`` as seen by shimmed Megatron modules: the CPU plays the device.
+
+    The CPU default generator plays the CUDA generator, so the RNG tracker forks/restores CPU
+    RNG state with the same semantics it has for the device generator on GPU.
+    """
+
+    def __getattr__(self, name: str) -> Any:  # anything not overridden: the real torch.cuda
+        return getattr(torch.cuda, name)
+
+
+_cpu_cuda = _CpuCuda(
+    is_available=lambda: False,
+    current_device=lambda: torch.device("cpu"),
+    device_count=lambda: 0,
+    set_device=lambda device: None,
+    synchronize=lambda device=None: None,
+    empty_cache=lambda: None,
+    Stream=_NullStream,
+    Event=_NullEvent,
+    stream=lambda s=None: contextlib.nullcontext(),
+    current_stream=lambda device=None: _NullStream(),
+    default_stream=lambda device=None: _NullStream(),
+    get_rng_state=lambda device="cuda": torch.get_rng_state(),
+    set_rng_state=lambda state, device="cuda": torch.set_rng_state(state),
+    manual_seed=lambda seed: torch.manual_seed(seed),
+    manual_seed_all=lambda seed: torch.manual_seed(seed),
+    memory_allocated=lambda device=None: 0,
+    max_memory_allocated=lambda device=None: 0,
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """The ``torch`` module as seen by shimmed Megatron modules (see module docstring)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _cpu_cuda
+        for name in _FACTORIES:
+            setattr(self, name, _remap_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_cpu_torch = _CpuTorch()
+
+
+# --------------------------------------------------------------------------------------------
+# Patches. Each is idempotent on its own and documents the failure it removes.
+
+
+def _patch_shim_modules() -> None:
+    """Replace the global ``torch`` of each module in ``_SHIMMED_MODULES`` by the CPU proxy."""
+    for name in _SHIMMED_MODULES:
+        mod = importlib.import_module(name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = _cpu_torch
+
+
+def _patch_rng_tracker() -> None:
+    """``tensor_parallel.random`` reads/writes the CUDA generator through private torch APIs
+    (``torch.cuda.default_generators[idx]``, ``_C._cuda_setRNGState``, ``_lazy_call``), which the
+    torch proxy cannot intercept; route them to the CPU default generator instead."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()  # already a copy
+
+    def _set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_rng_state
+    mrandom._set_cuda_rng_state = _set_rng_state
+
+
+def _patch_clip_grads() -> None:
+    """``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``; a CPU
+    fp32 (or fp64, used by exactness tests) grad fails it. Same function with a dtype check.
+    ``optimizer.py`` imported the name directly, so it is rebound there too."""
+    from megatron.core.optimizer import clip_grads, optimizer as moptimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    if getattr(clip_grads.clip_grad_by_total_norm_fp32, "_megarl_cpu", False):
+        return
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        grads = []
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                if grad.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+                    raise TypeError(f"gradient of dtype {grad.dtype} cannot be clipped in fp32")
+                grads.append(to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for g in grads:
+                g.mul_(clip_coeff)
+
+    clip_grad_by_total_norm_fp32._megarl_cpu = True
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    moptimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _patch_moe_te_names() -> None:
+    """``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but the name
+    is only bound when Transformer Engine imports: define it as None so the torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_PATCHES: list[Callable[[], None]] = [
+    _patch_shim_modules,
+    _patch_rng_tracker,
+    _patch_clip_grads,
+    _patch_moe_te_names,
+]
+
+
+def install() -> bool:
+    """Apply every CPU patch once. Returns True when the patches are in place (no CUDA), False
+    when CUDA is available and Megatron is left untouched. Safe to call any number of times."""
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if not _installed:
+        for patch in _PATCHES:
+            patch()
+        _installed = True
+        logger.info("megarl.cpu_compat: Megatron-core patched for CPU (%d patches)", len(_PATCHES))
+    return True
+

@@ -1,0 +1,137 @@
+"""torch.distributed + Megatron parallel state, handed out as one explicit object.
+
+Megatron-core keeps its process groups in module globals (``parallel_state``). megarl reads them
+exactly once, here, into a :class:`ParallelDims`, and passes that object around; code outside
+``megarl/parallel`` never calls ``parallel_state`` itself (DESIGN.md §3).
+
+Launch modes:
+- under torchrun/srun-with-torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set):
+  join that world;
+- otherwise: a world of one process on localhost with a free port.
+The backend is gloo on CPU and nccl when CUDA is available.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel import cpu_compat
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelDims:
+    """Parallel sizes and process groups of this process (later issues add EP/CP/VPP fields)."""
+
+    world_size: int
+    """Number of processes in the default group."""
+    rank: int
+    """This process's rank in the default group."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size (world_size // (tp * pp))."""
+    tp_group: dist.ProcessGroup
+    """Tensor-parallel group of this rank."""
+    pp_group: dist.ProcessGroup
+    """Pipeline-parallel group of this rank."""
+    dp_group: dist.ProcessGroup
+    """Data-parallel group of this rank (without context parallelism)."""
+    pg_collection: object = field(repr=False)
+    """Megatron's ``ProcessGroupCollection`` of the same groups, passed explicitly to Megatron
+    constructors (GPTModel, DDP, optimizer) so they never look groups up themselves."""
+    backend: str = "gloo"
+    """torch.distributed backend: ``gloo`` (CPU) or ``nccl`` (GPU)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Device this rank computes on."""
+    owns_process_group: bool = False
+    """True when :func:`init_parallel` created the default process group (teardown destroys it)."""
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30) -> ParallelDims:
+    """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
+    Megatron's model-parallel state; return the groups as a :class:`ParallelDims`."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    owns = False
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: env:// rendezvous
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            init_method = "env://"
+        else:  # standalone: a world of one on a free localhost port
+            rank, world = 0, 1
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        owns = True
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (tp * pp):
+        raise ValueError(f"world_size={world} is not a multiple of tp*pp={tp * pp}")
+
+    cpu_compat.install()  # no-op with CUDA
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised; call teardown() first")
+    # Gloo side groups are only needed by the distributed optimizer's CPU paths; on CPU the
+    # main groups already are gloo, so do not create a second copy of every group.
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_timeout_minutes=timeout_minutes,
+                                 create_gloo_process_groups=cuda)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dims = ParallelDims(
+        world_size=world, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp),
+        tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
+        backend=backend, device=device, owns_process_group=owns,
+    )
+    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d dp=%d", backend, world, tp, pp, dims.dp)
+    return dims
+
+
+def teardown(dims: ParallelDims | None = None) -> None:
+    """Destroy Megatron's parallel state, and the default process group when we created it
+    (or when ``dims`` is None and one exists)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    owns = dims.owns_process_group if dims is not None else True
+    if owns and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Names used by megarl/train.py.
+init_distributed = init_parallel
+shutdown_distributed = teardown

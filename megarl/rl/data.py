@@ -1,0 +1,78 @@
+"""Prompt datasets from JSONL files, and the outcome reward used with them.
+
+File format: one JSON object per line with string fields ``prompt`` and ``answer`` (other
+fields are ignored); blank lines are skipped but still counted, so a problem's ``uid`` is its
+0-based line index and stays stable when the file is edited below it. Problems of the synthetic
+task written out as JSONL (``{"prompt": "12+7=", "answer": "19"}``) load with ``CharTokenizer``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megarl.rl.task import ANSWER_MARKER, Problem
+from megarl.rl.tokenizer import Tokenizer
+
+_EXPECTED = 'expected one JSON object per line like {"prompt": "12+7=", "answer": "19"}'
+
+
+def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> list[Problem]:
+    """Read ``path`` into ``Problem``s (uid = line index). ValueError, naming the file and line,
+    for a missing file, malformed JSON, a non-object line, a missing or non-string ``prompt`` /
+    ``answer``, a prompt ``tokenizer`` cannot encode, or an empty file. With ``tokenizer``, every
+    prompt is encoded once so a bad character fails at load time, not mid-rollout."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {str(path)!r} does not exist; {_EXPECTED}")
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for idx, line in enumerate(f):
+            where = f"{path}:{idx + 1}"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); {_EXPECTED}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: got a JSON {type(row).__name__}, not an object; {_EXPECTED}")
+            for field in ("prompt", "answer"):
+                if field not in row:
+                    raise ValueError(f"{where}: missing field {field!r} (has {sorted(row)}); {_EXPECTED}")
+                if not isinstance(row[field], str):
+                    raise ValueError(f"{where}: field {field!r} must be a string, got {row[field]!r}; {_EXPECTED}")
+            if tokenizer is not None:
+                try:
+                    tokenizer.encode(row["prompt"])
+                except ValueError as e:
+                    raise ValueError(f"{where}: prompt cannot be tokenized: {e}") from None
+            problems.append(Problem(uid=idx, prompt=row["prompt"], answer=row["answer"]))
+    if not problems:
+        raise ValueError(f"prompt file {str(path)!r} holds no problems; {_EXPECTED}")
+    return problems
+
+
+def extract_answer(response_text: str) -> str:
+    """The final answer of a response: the text after the last answer marker ``#`` if there is
+    one, else the last non-empty line; whitespace and one trailing '.' stripped."""
+    if ANSWER_MARKER in response_text:
+        ans = response_text.rsplit(ANSWER_MARKER, 1)[1]
+    else:
+        lines = [ln for ln in response_text.splitlines() if ln.strip()]
+        ans = lines[-1] if lines else ""
+    ans = ans.strip()
+    return ans[:-1].rstrip() if ans.endswith(".") else ans
+
+
+def exact_answer_reward(problem: Problem, response_text: str) -> float:
+    """1.0 if ``extract_answer(response_text)`` equals ``problem.answer`` (stripped), else 0.0.
+    Numbers also match by value when both sides parse as numbers ("59" vs "59.0"), so a dataset's
+    formatting of its answers does not decide the reward."""
+    got, want = extract_answer(response_text), problem.answer.strip()
+    if got == want:
+        return 1.0
+    try:
+        return 1.0 if got and float(got) == float(want) else 0.0
+    except ValueError:
+        return 0.0

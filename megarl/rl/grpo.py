@@ -1,0 +1,122 @@
+"""GRPO losses as pure tensor functions (no model, no process groups, no hidden state).
+
+Normalisation convention (the one stream training relies on): every loss is a *sum* over the
+micro-batch's response tokens divided by ``num_tokens``, the total response-token count of the
+whole optimizer step, known before the step's optimizer update. Summing the micro-batch losses
+(or accumulating their gradients) therefore gives exactly the token-level mean over the step,
+whatever the micro-batch split or the order in which groups finish. Metrics follow the same
+convention, so they too are summed over micro-batches.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
+    """Group-relative advantages.
+
+    ``rewards`` is laid out group by group: ``N = num_groups * group_size``, entries
+    ``g*G .. g*G+G-1`` are the G samples of prompt g. For sample i of group g::
+
+        A_i = (r_i - mean_g) / (std_g + eps)     if normalize_std  (std_g: unbiased, 1/(G-1))
+        A_i =  r_i - mean_g                      otherwise         (Dr. GRPO)
+
+    The unbiased std matches the GRPO reference implementations (TRL, verl: ``torch.std``).
+    A group whose rewards are all equal gets advantages 0. ``group_size == 1`` gives all zeros
+    (there is no baseline to compare with), not NaN.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (groups laid out one after another), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size must be >= 1 and divide the number of rewards {rewards.numel()}, "
+                         f"got {group_size}")
+    r = rewards if rewards.is_floating_point() else rewards.double()
+    grouped = r.view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        centered = centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence")::
+
+        d = ref_logprobs - logprobs;   k3 = exp(d) - d - 1   (>= 0, unbiased for samples of pi)
+    """
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+def _check_num_tokens(num_tokens: float | Tensor) -> None:
+    if not isinstance(num_tokens, Tensor) and not num_tokens > 0:
+        raise ValueError(f"num_tokens must be > 0 (the step's total response-token count), got {num_tokens}")
+
+
+def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+              num_tokens: float | Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
+              kl_coef: float = 0.0, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO/PPO surrogate with token-level normalisation over the step.
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``loss_mask``, ``ref_logprobs``: [B, T];
+    ``advantages``: [B] (one per sequence, broadcast over its tokens). Per token::
+
+        ratio = exp(logprobs - old_logprobs)
+        pg    = -min(ratio * A, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A)
+        tok   = pg + kl_coef * k3(logprobs, ref_logprobs)
+        loss  = sum(tok * mask) / num_tokens
+
+    ``clip_eps_high > clip_eps_low`` is DAPO's clip-higher. Masked positions are excluded with
+    ``where`` (not multiplied), so padding holding -inf or NaN log-probs cannot poison the loss
+    or its gradient.
+
+    Metrics (python floats, each a masked sum / num_tokens, so micro-batch values add up to the
+    step's): ``pg_loss``; ``clip_frac`` (tokens where the clipped term is the active, strictly
+    larger loss); ``ratio`` (mean ratio); ``kl`` (mean k3) when ``ref_logprobs`` is given.
+    """
+    _check_num_tokens(num_tokens)
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+                         f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must have shape [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    mask = loss_mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # Zero the masked inputs *before* any arithmetic: a where() on the output alone still lets
+    # NaN gradients through (0 * NaN) from e.g. -inf - -inf at padding.
+    logprobs = torch.where(mask, logprobs, zero)
+    old_logprobs = torch.where(mask, old_logprobs, zero)
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask, ref_logprobs, zero)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    pg = torch.maximum(unclipped, clipped)
+    per_token = pg
+    metrics: dict[str, float] = {}
+    if ref_logprobs is not None:
+        kl = kl_k3(logprobs, ref_logprobs)
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * kl
+        metrics["kl"] = float(torch.where(mask, kl, zero).sum().detach() / num_tokens)
+    loss = torch.where(mask, per_token, zero).sum() / num_tokens
+    with torch.no_grad():
+        metrics["pg_loss"] = float(torch.where(mask, pg, zero).sum() / num_tokens)
+        metrics["clip_frac"] = float((mask & (clipped > unclipped)).sum() / num_tokens)
+        metrics["ratio"] = float(torch.where(mask, ratio, zero).sum() / num_tokens)
+    return loss, metrics
+
+
+def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_tokens: float | Tensor) -> Tensor:
+    """Negative log-likelihood with the same step-level normalisation::
+
+        loss = -sum(logprobs * mask) / num_tokens
+    """
+    _check_num_tokens(num_tokens)
+    if logprobs.shape != loss_mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and loss_mask {tuple(loss_mask.shape)} must match")
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return -torch.where(loss_mask.bool(), logprobs, zero).sum() / num_tokens
