@@ -27,6 +27,8 @@ from megarl.stream_train.trainer import Trainer
 from megarl.utils.fs import atomic_write_text
 
 log = logging.getLogger("megarl")
+# Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
+# config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps")
 
 

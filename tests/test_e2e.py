@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.train import TIME_KEYS
+
 ROOT = Path(__file__).resolve().parents[1]
-TIME_KEYS = {"rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps"}
 REQUIRED = {"step", "reward_mean", "entropy_mean", "response_len_mean", "response_len_max", "rollout_tokens",
             "target_forwards", "rollout_time_s", "train_time_s", "step_time_s"}
 

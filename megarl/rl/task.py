@@ -19,7 +19,7 @@ over ``-log p(response)`` with ``solution_logprob`` summing over every derivatio
 about 0.33 nats/token pooled over tokens with the default config (0.25 averaged per
 prompt: two-term prompts have only ~2.3 nats in ~12 tokens).
 
-Strategies (chosen per solution with ``STRATEGY_WEIGHTS``):
+Strategies (chosen per solution with ``TaskConfig.strategy_weights``):
 - ``left_to_right``: accumulate the terms in prompt order.
 - ``any_next``: start from a random term, then add any remaining term next.
 - ``pairwise``: combine any two pending values (terms or partial sums): tree-shaped grouping.
@@ -74,6 +74,9 @@ class TaskConfig:
     Smaller means a heavier tail; 1.5 gives ~45% two-term prompts and ~2.4% with 20 or more."""
     max_operand: int = 99
     """Terms are drawn uniformly from 1..max_operand (99: mostly two-digit operands)."""
+    strategy_weights: tuple[float, float, float] = STRATEGY_WEIGHTS
+    """Probabilities of the solution strategies (left_to_right, any_next, pairwise). A tiny model
+    learns left_to_right quickly; the other two need it to track which terms are used."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -86,6 +89,11 @@ class TaskConfig:
             raise ValueError(f"tail_alpha must be > 0, got {self.tail_alpha}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+        if len(self.strategy_weights) != len(STRATEGIES) or min(self.strategy_weights) < 0 \
+                or sum(self.strategy_weights) <= 0:
+            raise ValueError(f"strategy_weights={self.strategy_weights} must be {len(STRATEGIES)} non-negative "
+                             f"weights, not all 0, for {STRATEGIES}")
+        self.strategy_weights = tuple(float(w) / sum(self.strategy_weights) for w in self.strategy_weights)
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,7 @@ class AdditionTask:
     def solution(self, problem: Problem, rng: random.Random) -> str:
         """Sample a worked solution (without EOS) from the ideal policy; see the module docstring."""
         terms = parse_prompt(problem.prompt)
-        strategy = rng.choices(STRATEGIES, weights=STRATEGY_WEIGHTS)[0]
+        strategy = rng.choices(STRATEGIES, weights=self.cfg.strategy_weights)[0]
         steps: list[tuple[int, int]] = []
         if strategy == "pairwise":
             pool = list(terms)
@@ -236,7 +244,7 @@ class AdditionTask:
         terms = parse_prompt(problem.prompt)
         pair_steps = [(a, b) for a, b, _ in steps]
         p = 0.0
-        for strategy, w in zip(STRATEGIES, STRATEGY_WEIGHTS):
+        for strategy, w in zip(STRATEGIES, self.cfg.strategy_weights):
             if strategy == "pairwise":
                 p += w * _prob_pairwise(terms, pair_steps)
             else:

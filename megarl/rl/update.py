@@ -24,7 +24,7 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
     batch["advantages"] = adv
     # One optimizer step per RL step, so old == current policy and the ratio starts at 1; computed
     # explicitly all the same so that the objective stays PPO's if more updates per step are added.
-    batch["old_logprobs"] = trainer.token_logprobs(batch["input_ids"])
+    batch["old_logprobs"] = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"])
     if ref is not None:
         batch["ref_logprobs"] = ref_token_logprobs(ref, batch["input_ids"])
     num_tokens = float(batch["loss_mask"].sum())

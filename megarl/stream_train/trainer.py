@@ -56,14 +56,43 @@ class TrainerConfig:
             raise ValueError("TrainerConfig.lr, weight_decay and clip_grad must be >= 0")
 
 
-def _micro_batches(batch: dict[str, Any], size: int):
+def _row_lengths(batch: dict[str, Any]) -> torch.Tensor:
+    """Tokens each row needs: through its last trained target (``loss_mask``); without a mask the
+    padding is unknown, so the full width."""
+    mask = batch.get("loss_mask")
+    n, t = batch["input_ids"].shape
+    if mask is None:
+        return torch.full((n,), t, dtype=torch.long)
+    idx = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    return (idx * (mask != 0)).amax(dim=1) + 1  # last target position + 1, >= 1
+
+
+def _micro_batches(batch: dict[str, Any], size: int, order: torch.Tensor | None = None):
     """Split per-row entries (tensors whose first dim is the batch size) into slices of ``size``
-    rows; everything else (0-d tensors such as the step's token count, python values) is passed
-    to every micro-batch unchanged."""
-    n = batch["input_ids"].shape[0]
+    rows, taken in ``order`` (rows of similar length together), and trim each slice's time axis
+    to its longest row: right padding never costs compute. Everything else (0-d tensors such as
+    the step's token count, python values) is passed to every micro-batch unchanged."""
+    n, t = batch["input_ids"].shape
+    lengths = _row_lengths(batch)
+    order = torch.arange(n) if order is None else order
     for start in range(0, n, size):
-        yield {k: v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n
-               else v for k, v in batch.items()}
+        rows = order[start:start + size]
+        width = int(lengths[rows].max())
+        mb = {}
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+                v = v[rows]
+                if v.dim() > 1 and v.shape[1] == t:
+                    v = v[:, :width]
+                elif v.dim() > 1 and v.shape[1] == t - 1:
+                    v = v[:, :width - 1]
+            mb[k] = v
+        yield mb
+
+
+def _length_order(batch: dict[str, Any]) -> torch.Tensor:
+    """Rows sorted by length (stable), so micro-batches hold rows of similar length."""
+    return torch.sort(_row_lengths(batch), stable=True).indices
 
 
 class Trainer:
@@ -161,6 +190,21 @@ class Trainer:
             return torch.cat([self._logprobs(mb["input_ids"])
                               for mb in _micro_batches({"input_ids": input_ids}, self.cfg.micro_batch_size)])
 
+    def masked_logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`token_logprobs` (no grad) but only where ``loss_mask`` is set (0 elsewhere):
+        rows are length-sorted and trimmed, so padding costs nothing."""
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+        order = _length_order(batch)
+        out = torch.zeros(loss_mask.shape, dtype=torch.promote_types(self.dtype, torch.float32))
+        with torch.no_grad():
+            start = 0
+            for mb in _micro_batches(batch, self.cfg.micro_batch_size, order):
+                rows = order[start:start + mb["input_ids"].shape[0]]
+                start += len(rows)
+                lp = self._logprobs(mb["input_ids"]).cpu()
+                out[rows, :lp.shape[1]] = lp * (mb["loss_mask"] != 0)
+        return out
+
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (``input_ids`` [B, T] right-padded, ``loss_mask``
         [B, T-1], plus whatever ``loss_fn`` reads). ``loss_fn(logprobs [b, T-1], micro_batch)``
@@ -174,7 +218,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_sum, metrics = 0.0, {}
-        for mb in _micro_batches(batch, self.cfg.micro_batch_size):
+        for mb in _micro_batches(batch, self.cfg.micro_batch_size, _length_order(batch)):
+            mb = {k: v.to(self.dims.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
             loss, mb_metrics = loss_fn(self._logprobs(mb["input_ids"]), mb)
             loss.backward()
             loss_sum += float(loss.detach())
