@@ -20,7 +20,7 @@ REQUIRED = {"step", "reward_mean", "entropy_mean", "response_len_mean", "respons
 
 
 def megarl(*args, check=True):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     if check and proc.returncode != 0:

@@ -51,7 +51,7 @@ def test_trainer_cuda_step_matches_cpu(tmp_path):
     outs = {}
     for dev in ("cpu", "cuda"):
         out = tmp_path / f"{dev}.pt"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         if dev == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_trainer_worker.py"), str(out)],

@@ -134,6 +134,7 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
     Right padding needs no padding mask: causal attention never lets a real token see the pads
     after it."""
+    input_ids = input_ids.to(next(model.parameters()).device)
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     return model(input_ids, positions, causal_mask(t, input_ids.device))

@@ -106,6 +106,9 @@ class Trainer:
 
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
+        if self.dtype == torch.float64 and dims.device.type == "cuda":
+            raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
+                             "gradient clipping accepts only fp32 gradients on CUDA; use float32")
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
         model = build_gpt_model(args, dims, self.dtype, seed=seed)
@@ -183,11 +186,11 @@ class Trainer:
     # ------------------------------------------------------------------ public API
 
     def token_logprobs(self, input_ids: torch.Tensor, no_grad: bool = True) -> torch.Tensor:
-        """Logprob [B, T-1] (model dtype) of ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``,
+        """Logprob [B, T-1] (model dtype, on CPU) of ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``,
         in micro-batches of ``micro_batch_size`` rows. Right padding is harmless (causal)."""
         ctx = torch.no_grad() if no_grad else torch.enable_grad()
         with ctx:
-            return torch.cat([self._logprobs(mb["input_ids"])
+            return torch.cat([self._logprobs(mb["input_ids"]).cpu()
                               for mb in _micro_batches({"input_ids": input_ids}, self.cfg.micro_batch_size)])
 
     def masked_logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -242,8 +245,9 @@ class Trainer:
         self._apply_lr_and_wd()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Detached copies of the weights under HF names, in the model dtype (weight sync / export)."""
-        sd = {k: v.detach().clone() for k, v in self.gpt.state_dict().items()
+        """Copies of the weights under HF names, in the model dtype, on CPU (export, checkpoints and
+        the single-process weight sync; bucketed device-to-device sync is issue 4's)."""
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.state_dict().items()
               if not k.endswith("_extra_state")}
         return mcore_mapping.mcore_to_hf(sd, self.args)
 

@@ -18,7 +18,8 @@ CASES = [
 
 
 def hf_model(arch: str, tie: bool, bias: bool, seed: int = 0):
-    common = dict(vocab_size=53, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    # eager attention: the reference is HF's plain math, whatever the installed default backend
+    common = dict(attn_implementation="eager", vocab_size=53, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tie, rope_theta=5000.0,
                   rms_norm_eps=1e-5, max_position_embeddings=128)
     if arch == "llama":
@@ -63,7 +64,8 @@ def test_export_loads_in_transformers(tmp_path, arch, tie, bias):
     ours.load_state_dict(sd)
     out = save_hf_model(ours.state_dict(), args, tmp_path / "export")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dir left behind"
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), hf.state_dict().values()))
     ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, hf(ids).logits)

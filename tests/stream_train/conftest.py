@@ -33,3 +33,4 @@ def tiny_args(model_type: str = "qwen2", tie: bool = False, **kw) -> ModelArgs:
 def make_args():
     """Factory fixture for tiny ``ModelArgs`` (tests call ``make_args('llama', tie=True)``)."""
     return tiny_args
+

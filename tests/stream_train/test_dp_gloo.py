@@ -9,13 +9,17 @@ import torch
 
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 
-from .test_trainer import make_batch, nll_loss
+from .test_trainer import cpu_fp64_trainer, make_batch, nll_loss
 
 
 @pytest.mark.multiproc
+@cpu_fp64_trainer
 def test_dp2_matches_dp1(dims, make_args, tmp_path):
     out = tmp_path / "dp2.pt"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # gloo on CPU even on a GPU machine: two ranks cannot share one GPU over NCCL.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH")]))}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     proc = subprocess.run(

@@ -25,7 +25,7 @@ def test_logits_match_causal_lm(dims, make_args, model_type, tie):
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     ids = torch.randint(0, args.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        got, want = gpt_logits(model, ids), ref(ids)
+        got, want = gpt_logits(model, ids).cpu(), ref(ids)
     assert got.shape == want.shape == (3, 11, args.vocab_size)
     assert (got - want).abs().max().item() <= 1e-5
 
@@ -38,7 +38,7 @@ def test_logits_match_fp64(dims, make_args):
     model.load_state_dict(mm.hf_to_mcore(ref.hf_state_dict(), args), strict=False)
     ids = torch.randint(0, args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert (gpt_logits(model, ids) - ref(ids)).abs().max().item() <= 1e-12
+        assert (gpt_logits(model, ids).cpu() - ref(ids)).abs().max().item() <= 1e-12
 
 
 def test_seeded_init_is_deterministic(dims, make_args):
