@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     ckpt = check_run_dir(run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    if cfg.deterministic:
+        set_deterministic()
     dims = init_distributed()
     try:
         return _train(cfg, run_dir, inputs, ckpt, dims)
@@ -114,6 +117,13 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     save_hf_model(trainer.hf_state_dict(), inputs.args, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)
     log.info("exported HF checkpoint to %s", run_dir / "hf")
     return history
+
+
+def set_deterministic() -> None:
+    """Bitwise-repeatable runs (DESIGN.md §2: a resumed run repeats the uninterrupted run)."""
+    # cuBLAS needs a fixed workspace for deterministic matmuls; read at the first cuBLAS call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -136,3 +136,22 @@ def test_dataset_row_without_prompt(tmp_path):
                   "--set", "data.source=jsonl", "--set", f"data.jsonl_path={data}",
                   "--set", f"data.tokenizer_path={tok_dir}", "--set", "sft.steps=0", check=False)
     _assert_clean_failure(proc, run_dir, "data.jsonl:2", "prompt")
+
+
+def test_jsonl_dataset_with_hf_tokenizer_runs(tmp_path):
+    """Real-data path: JSONL rows + a HF tokenizer read from a local folder (here the char
+    tokenizer saved in HF format), no SFT; prompts are the rows, the reward an exact match."""
+    from megarl.rl.tokenizer import CharTokenizer
+
+    tok_dir = tmp_path / "tok"
+    CharTokenizer().save_pretrained(tok_dir)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 3)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir), "--set", "data.source=jsonl",
+           "--set", f"data.jsonl_path={data}", "--set", f"data.tokenizer_path={tok_dir}", "--set", "sft.steps=0",
+           "--set", "rl_steps=1", "--set", "checkpoint_every=0")
+    (m,) = read_metrics(run_dir)
+    assert m["step"] == 1 and m["rollout_tokens"] > 0
+    assert (run_dir / "hf" / "tokenizer.json").is_file()
