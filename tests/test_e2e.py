@@ -155,3 +155,20 @@ def test_jsonl_dataset_with_hf_tokenizer_runs(tmp_path):
     (m,) = read_metrics(run_dir)
     assert m["step"] == 1 and m["rollout_tokens"] > 0
     assert (run_dir / "hf" / "tokenizer.json").is_file()
+
+
+def test_kl_to_reference_survives_resume(tmp_path):
+    """grpo.kl_coef > 0: the reference is the post-SFT policy, kept in checkpoints, so a resumed
+    run computes the same KL (and everything else) as the uninterrupted one."""
+    run_dir = tmp_path / "kl"
+    args = ["--config", "configs/smoke.yaml", "--set", "grpo.kl_coef=0.05", "--set", "rl_steps=3",
+            "--set", "checkpoint_every=1"]
+    megarl("train", *args, "--run-dir", str(run_dir))
+    full = read_metrics(run_dir)
+    # step 1's policy is the reference (up to Megatron-vs-plain-torch rounding); later ones move away
+    assert abs(full[0]["kl"]) < 1e-6 and full[2]["kl"] > 1e-5
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")
+    megarl("train", *args, "--run-dir", str(run_dir), "--resume")
+    again = read_metrics(run_dir)
+    strip = lambda m: {k: v for k, v in m.items() if k not in TIME_KEYS}  # noqa: E731
+    assert [strip(m) for m in again] == [strip(m) for m in full]
