@@ -82,6 +82,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         sft = run_sft(trainer, inputs, cfg)
         log.info("SFT done: %s", sft)
         atomic_write_text(run_dir / "sft.json", json.dumps(sft))
+        trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
+        trainer.set_lr(cfg.trainer.lr)
         if cfg.checkpoint_every:
             save_checkpoint(run_dir, 0, trainer.state_dict(), {}, keep=cfg.keep_checkpoints)
     trainer.set_lr(cfg.trainer.lr)

@@ -93,8 +93,17 @@ class ModelArgs:
                 f"unsupported model_type {model_type!r}; valid choices: "
                 f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
             )
-        if cfg.get("rope_scaling"):
-            raise ValueError(f"rope_scaling={cfg['rope_scaling']!r} is not supported yet (plain RoPE only)")
+        cfg = dict(cfg)
+        # transformers >= 5 writes RoPE settings as rope_parameters={"rope_type", "rope_theta", ...}
+        # (and may mirror them in rope_scaling); 4.x writes rope_theta at top level.
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = cfg.get(key)
+            if not rope:
+                continue
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ValueError(f"{key}={rope!r} is not supported yet (plain RoPE only: rope_type 'default')")
+            if "rope_theta" in rope:
+                cfg["rope_theta"] = rope["rope_theta"]
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]

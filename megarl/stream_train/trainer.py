@@ -102,8 +102,6 @@ class Trainer:
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
         if self.dtype == torch.float64 and dims.device.type == "cuda":
@@ -129,6 +127,15 @@ class Trainer:
             check_for_nan_in_grad=True,
         )
         self.model = DistributedDataParallel(mcfg, ddp_cfg, model, pg_collection=dims.pg_collection)
+        self._build_optimizer()
+
+    # ------------------------------------------------------------------ internals
+
+    def _build_optimizer(self) -> None:
+        """A fresh Megatron optimizer (no moments) over the model's parameters."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.cfg
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
@@ -138,10 +145,13 @@ class Trainer:
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
         # the non-distributed optimizer does not need them.
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], use_gloo_process_groups=False,
-                                                pg_collection=dims.pg_collection)
+                                                pg_collection=self.dims.pg_collection)
         self._apply_lr_and_wd()
 
-    # ------------------------------------------------------------------ internals
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer's state (Adam moments and step count), keeping the weights: a new
+        phase (SFT -> RL) starts from a fresh optimizer, so RL's first updates are RL's alone."""
+        self._build_optimizer()
 
     @property
     def gpt(self):

@@ -84,3 +84,13 @@ def test_missing_weights_is_a_clear_error(tmp_path):
 def test_unsupported_architecture_is_rejected():
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10})
+
+
+def test_rope_settings_in_both_config_layouts():
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert ModelArgs.from_hf_config({**base, "rope_theta": 5000.0}).rope_theta == 5000.0  # transformers 4.x
+    v5 = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 123.0}}  # transformers 5.x
+    assert ModelArgs.from_hf_config(v5).rope_theta == 123.0
+    with pytest.raises(ValueError, match="plain RoPE only"):
+        ModelArgs.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

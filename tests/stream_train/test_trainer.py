@@ -116,3 +116,19 @@ def test_checkpoint_resume_is_bitwise(dims, make_args):
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@cpu_fp64_trainer
+def test_reset_optimizer_forgets_moments(dims, make_args):
+    """After reset_optimizer a step equals the first step of a new trainer on the same weights."""
+    args = make_args("qwen2")
+    batch = make_batch(args)
+    a = Trainer(args, TrainerConfig(lr=1e-2, dtype="float64"), dims, seed=2)
+    for _ in range(2):
+        a.train_step(batch, nll_loss)
+    b = Trainer(args, TrainerConfig(lr=1e-2, dtype="float64"), dims, hf_state=a.hf_state_dict(), seed=9)
+    a.reset_optimizer()
+    a.train_step(batch, nll_loss)
+    b.train_step(batch, nll_loss)
+    wa, wb = a.hf_state_dict(), b.hf_state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
