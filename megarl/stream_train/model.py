@@ -88,7 +88,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if dims.tp != 1 or dims.pp != 1:
-        raise NotImplementedError("the trainer runs TP=1 PP=1 for now (TP/PP arrive with a later issue)")
+        raise ValueError(f"tensor/pipeline parallel size {dims.tp}/{dims.pp} is not supported yet: the trainer "
+                         f"runs with TP=1 and PP=1 (TP/PP trainers are issue 4)")
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
     # spec everywhere so that CPU and GPU runs share one module tree (and one name mapping).
