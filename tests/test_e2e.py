@@ -59,7 +59,7 @@ def test_export_greedy_matches_engine(smoke_run):
     from megarl.models.hf_io import load_hf_model
 
     hf_dir = smoke_run / "hf"
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(hf_dir)
     ours = load_hf_model(hf_dir)
     engine = Engine(ours, EngineConfig(max_batch_size=4, max_seq_len=256), seed=0)
