@@ -172,3 +172,17 @@ def test_kl_to_reference_survives_resume(tmp_path):
     again = read_metrics(run_dir)
     strip = lambda m: {k: v for k, v in m.items() if k not in TIME_KEYS}  # noqa: E731
     assert [strip(m) for m in again] == [strip(m) for m in full]
+
+
+def test_generate_cli_prints_engine_greedy_text(smoke_run):
+    from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+    from megarl.models.hf_io import load_hf_model
+    from megarl.rl.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    model = load_hf_model(smoke_run / "hf")
+    engine = Engine(model, EngineConfig(max_batch_size=1, max_seq_len=256), seed=0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=(tok.eos_id,))
+    (res,) = engine.generate([Request(uid=0, sample_idx=0, prompt_ids=tok.encode("4+5+1="), params=params)], step=0)
+    proc = megarl("generate", "--model", str(smoke_run / "hf"), "--prompt", "4+5+1=", "--max-new-tokens", "30")
+    assert proc.stdout == "4+5+1=" + tok.decode(res.tokens) + "\n"
