@@ -23,7 +23,3 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
         loss_mask[b, len(p) - 1 : len(p) + len(r) - 1] = 1.0
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
-
-def response_logprobs(token_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> list[torch.Tensor]:
-    """Per-row logprobs of the response tokens only (for comparisons with the engine)."""
-    return [row[m.bool()] for row, m in zip(token_logprobs, loss_mask)]

@@ -199,12 +199,6 @@ class AdditionTask:
         """``n`` held-out uids (never in the train set), for evaluation."""
         return list(range(len(self), len(self) + n))
 
-    def prompt_order(self, epoch: int) -> list[int]:
-        """The train uids in a deterministic shuffled order for (seed, epoch)."""
-        order = list(range(len(self)))
-        random.Random(_derived_seed("addition-order", self.cfg.seed, epoch)).shuffle(order)
-        return order
-
     def reward(self, problem: Problem, response_text: str) -> float:
         return answer_reward(problem, response_text)
 

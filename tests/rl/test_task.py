@@ -22,14 +22,6 @@ def test_problems_are_deterministic_per_seed_and_uid():
     assert a.eval_uids(3) == [512, 513, 514]
 
 
-def test_prompt_order():
-    task = AdditionTask(TaskConfig(num_prompts=50))
-    o0, o1 = task.prompt_order(0), task.prompt_order(1)
-    assert sorted(o0) == list(range(50)) and sorted(o1) == list(range(50))
-    assert o0 == AdditionTask(TaskConfig(num_prompts=50)).prompt_order(0)
-    assert o0 != o1
-
-
 def test_config_validation():
     with pytest.raises(ValueError, match="min_terms"):
         TaskConfig(min_terms=1)
