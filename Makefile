@@ -8,11 +8,12 @@ CONFIG ?= configs/tiny.yaml
 
 .PHONY: venv run smoke test clean
 
-$(VENV)/.installed: requirements.txt constraints.txt setup.py
+$(VENV)/.installed: requirements.txt constraints.txt setup.py csrc/suffix_index.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
-	$(PY) -m pip install -q -c constraints.txt --no-deps -e .
+	# --no-build-isolation: the C++ extension builds against the venv's pybind11 (no download)
+	$(PY) -m pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -27,4 +28,4 @@ test: venv
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info megarl/_suffix_index*.so

@@ -1,5 +1,29 @@
 """megarl: Megatron-based, exact RL post-training for LLMs (see README.md and ../shared/DESIGN.md)."""
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
+
+
+def ext_modules():
+    """The optional C++ suffix index (csrc/). pybind11 is imported here, not at the top, so that
+    setup.py still works without it; megarl then runs on the Python twin (megarl/spec/suffix_index.py)."""
+    try:
+        import pybind11
+    except ImportError:
+        print("warning: pybind11 is not installed; skipping the optional C++ extension "
+              "megarl._suffix_index (the Python twin will be used). Install pybind11 and rebuild with "
+              "`pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`.",
+              file=sys.stderr)
+        return []
+    return [Extension(
+        "megarl._suffix_index",
+        ["csrc/suffix_index.cpp"],
+        include_dirs=[pybind11.get_include()],
+        language="c++",
+        extra_compile_args=["-O3", "-std=c++17"],
+        optional=True,  # a failed compile is a warning, not a failed install
+    )]
+
 
 setup(
     name="megarl",
@@ -7,6 +31,7 @@ setup(
     description="Synchronous RL post-training on Megatron-core with exact speculative rollouts",
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
+    ext_modules=ext_modules(),
     # Versions are pinned in requirements.txt / constraints.txt (torch must stay the CPU 2.13.0
     # build here); these are the floors the code needs.
     install_requires=[

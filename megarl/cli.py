@@ -1,4 +1,4 @@
-"""``megarl`` command line: ``train``, ``config``, ``generate``.
+"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``.
 
 Bad input (config keys, missing files, malformed data) ends with one ``megarl: error: ...``
 line and exit status 2; no traceback, nothing written.
@@ -35,6 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config (after overrides) and exit")
     _add_config_args(p)
 
+    p = sub.add_parser("bench", help="benchmarks (figures written as JSON)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("rollout", help="RL rollouts with speculation off and on, side by side (exactness, "
+                                         "forward reduction, speedup, by draft source)")
+    _add_config_args(b)
+    b.add_argument("--json", required=True, help="where to write the figures")
+    b.add_argument("--steps", type=int, default=18,
+                   help="RL steps to run (default 18: history drafts exist from the second epoch on, "
+                        "i.e. after len(prompts)/prompts_per_step steps)")
+
     p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
     p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text, repeatable")
@@ -64,6 +74,16 @@ def _generate(args) -> None:
         print(f"{prompt}{tok.decode(res.tokens, skip_special_tokens=True)}")
 
 
+def _bench(args, cfg) -> int:
+    import json
+
+    from megarl.bench.rollout import bench_rollout
+
+    report = bench_rollout(cfg, args.steps, args.json, progress=cfg.progress)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("steps", "config")}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -77,14 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(dump_config(cfg), end="")
             return 0
+        if args.command == "bench" and args.steps < 1:
+            raise ValueError(f"--steps={args.steps} is invalid; valid range: >= 1")
         from megarl.setup_run import prepare_inputs
         from megarl.train import check_run_dir, train
 
         inputs = prepare_inputs(cfg)
-        check_run_dir(Path(args.run_dir), args.resume)
+        if args.command == "train":
+            check_run_dir(Path(args.run_dir), args.resume)
     except USER_ERRORS as e:  # only input checking is caught: a failure mid-run keeps its traceback
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "bench":
+        return _bench(args, cfg)
     train(cfg, args.run_dir, resume=args.resume, inputs=inputs)
     return 0
 

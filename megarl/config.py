@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 
 from megarl.rl.task import TaskConfig
+from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
 from megarl.utils.dataclass_config import ConfigError, apply_overrides, from_dict, to_dict
 
@@ -145,6 +146,8 @@ class RunConfig:
     """RL objective."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-up."""
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    """Speculative rollouts (exact: they change speed, never samples)."""
 
     def __post_init__(self):
         if self.data.source == "jsonl" and not self.data.jsonl_path:

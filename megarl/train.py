@@ -24,13 +24,14 @@ from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
 from megarl.rl.update import grpo_update
 from megarl.setup_run import RunInputs, prepare_inputs
+from megarl.spec.speculator import Speculator
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.fs import atomic_write_text
 
 log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
-TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps")
+TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s")
 
 
 class RunDirError(ValueError):
@@ -70,7 +71,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
     engine = Engine(CausalLM(inputs.args), EngineConfig(
         max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
-        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed)
+        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
+        spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
     start, trainer_state = 0, {}
     if ckpt is not None:
         trainer_state, loop_state = load_checkpoint(ckpt)
@@ -103,12 +105,18 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         t0 = time.perf_counter()
         uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
         groups = rollout.run(uids, step)
+        rollout_metrics = rollout.metrics(groups)
         t1 = time.perf_counter()
+        if cfg.spec.enabled and cfg.spec.bubble_pregen and step + 1 < cfg.rl_steps:
+            # Bubble work with the weights that sampled this step (issue 6 moves it into idle time).
+            rollout_metrics["bubble_tokens"] = rollout.pregenerate(
+                prompt_uids_for_step(step + 1, cfg, len(inputs.problems)), step + 1)
+        t_bubble = time.perf_counter()
         metrics = grpo_update(trainer, groups, cfg, inputs, ref)
         t2 = time.perf_counter()
         metrics.update(sync_weights(trainer, engine))
-        metrics.update(step=step + 1, **rollout.metrics(groups), rollout_time_s=t1 - t0, train_time_s=t2 - t1,
-                       step_time_s=time.perf_counter() - t0)
+        metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,
+                       train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0)
         history.append(metrics)
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")

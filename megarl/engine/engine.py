@@ -1,10 +1,15 @@
-"""The native rollout engine v1: continuous batching over a slot KV cache, Gumbel-max sampling.
+"""The native rollout engine: continuous batching over a slot KV cache, Gumbel-max sampling,
+speculative decoding.
 
 One iteration is ``schedule() -> run() -> postprocess()`` (DESIGN.md §3):
 - ``schedule`` (host only) admits waiting requests into free slots, or else picks every running
-  request for one decode step. Prefill has priority, so a freed slot is refilled at once.
-- ``run`` does the device work: one batched forward through the cache, then one sampler call.
-- ``postprocess`` (host) appends the tokens, retires finished requests and frees their slots.
+  request for one decode step. Prefill has priority, so a freed slot is refilled at once. With a
+  speculator, each row also gets draft tokens (megarl/spec), prefill rows included.
+- ``run`` does the device work: one batched forward through the cache over each row's pending
+  and draft tokens, then one verify call: the target's own sample at the last pending position
+  and at every draft position, and the length of the accepted draft prefix.
+- ``postprocess`` (host) appends the accepted drafts plus the target's token, rolls the cache back
+  past rejected drafts, retires finished requests and frees their slots.
 
 Every token is a function of (weights, prompt, seed, step, uid, sample_idx, position) only
 (DESIGN.md §2), so which requests share a batch never changes a response (up to the
@@ -12,15 +17,21 @@ batch-invariance of the float reductions: exact in the float64 CPU tests).
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from megarl.engine.kv_cache import KVCache
-from megarl.engine.sampler import SamplingParams, gumbel_noise, sample
+from megarl.engine.sampler import SamplingParams
 from megarl.models.llama import CausalLM
+from megarl.spec.verify import verify
 
+# Uncoupled control drafts (``Engine.pregenerate(coupled=False)``) use the noise of a step key
+# that no real step reaches.
+_UNCOUPLED_STEP_BIT = 1 << 31
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -88,6 +99,17 @@ class Result:
     """Target forward passes this request took part in, prefill included."""
 
 
+def token_stats(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor):
+    """log p(token) and the entropy of softmax(logits / T) per row (T=0 read as 1), unfiltered."""
+    stat_dtype = torch.promote_types(logits.dtype, torch.float32)
+    t = temperature.to(stat_dtype)[:, None]
+    logp = torch.log_softmax(logits.to(stat_dtype) / torch.where(t == 0, torch.ones_like(t), t), dim=-1)
+    p = logp.exp()
+    # p * logp with p = 0 (a -inf logit) is 0, not nan.
+    entropies = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    return logp.gather(1, tokens[:, None])[:, 0], entropies
+
+
 class _Seq:
     """Mutable state of one request while it runs."""
 
@@ -100,22 +122,46 @@ class _Seq:
         self.n_forwards = 0
         self.finish_reason: str | None = None
 
+    def room(self, max_seq_len: int) -> int:
+        """Draft tokens this request can still use: a verify forward yields up to len(draft)+1
+        tokens, and the response may not pass max_new_tokens or the cache's max_seq_len."""
+        n = len(self.tokens)
+        return max(0, min(self.req.params.max_new_tokens - n, max_seq_len - len(self.req.prompt_ids) - n) - 1)
+
 
 @dataclass
 class _Batch:
-    """What ``schedule`` picked for one forward: the rows and their new input tokens."""
+    """What ``schedule`` picked for one forward: the rows, their pending tokens (the prompt for a
+    prefill, the last sampled token for a decode) and their draft tokens."""
 
     seqs: list[_Seq]
-    inputs: list[list[int]]
+    pending: list[list[int]]
+    drafts: list[list[int]]
     is_prefill: bool
 
 
-class Engine:
-    """Generates responses for a list of requests with continuous batching."""
+class _Verified(NamedTuple):
+    """What ``run`` returns: per row, the tokens the target sampled (accepted drafts, then its
+    own token) with their logprobs and entropies, and how many drafts were accepted."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int):
-        self.cfg, self.seed = cfg, seed
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    entropies: list[list[float]]
+    n_accept: list[int]
+
+
+class Engine:
+    """Generates responses for a list of requests with continuous batching, and with
+    speculative decoding when given a ``Speculator`` (megarl/spec)."""
+
+    def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int, spec=None):
+        self.cfg, self.seed, self.spec = cfg, seed, spec
         self.dtype, self.device = cfg.torch_dtype, torch.device(cfg.device)
+        if self.device.type == "cpu":
+            # Attention probabilities below 1e-38 are fp32 denormals, on which x86 matmuls take a
+            # slow path: measured 17 s vs 0.4 s for one rollout of the tiny model after an RL step.
+            # Flushing them to zero (what GPUs do) is process-wide, and harmless for training too.
+            torch.set_flush_denormal(True)
         # Sampling math runs in at least fp32: bf16 logits + noise would tie constantly.
         self.sample_dtype = torch.promote_types(self.dtype, torch.float32)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()  # in place
@@ -123,10 +169,14 @@ class Engine:
         self.vocab_size = a.vocab_size
         self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                              a.num_key_value_heads, a.head_dim, self.dtype, self.device)
-        self.stats = {"forwards": 0, "tokens": 0, "target_forwards": 0}
+        self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(self.stats, 0)
+        """``forwards``: batched forward calls; ``target_forwards``: forwards summed over requests
+        (each produced >= 1 token); ``tokens``: tokens produced."""
+        self.stats = {"forwards": 0, "tokens": 0, "target_forwards": 0}
+        if self.spec is not None:
+            self.spec.reset_stats()
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -148,8 +198,12 @@ class Engine:
             params[k].copy_(named[k].to(device=self.device, dtype=self.dtype))
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[Request], step: int, progress: bool = False) -> list[Result]:
-        """Responses for ``requests`` (same order), sampled with RL step ``step``'s noise."""
+    def generate(self, requests: list[Request], step: int, progress: bool = False,
+                 purpose: str = "rollout") -> list[Result]:
+        """Responses for ``requests`` (same order), sampled with RL step ``step``'s noise.
+
+        ``purpose`` tells the draft sources what the responses are: ``rollout`` (this step's
+        samples: they become history) or ``bubble`` (see ``pregenerate``)."""
         self._validate(requests)
         seqs = [_Seq(i, r) for i, r in enumerate(requests)]
         waiting, running = deque(seqs), []
@@ -157,6 +211,8 @@ class Engine:
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(seqs), desc=f"rollout step {step}", unit="req")
+        if self.spec is not None:
+            self.spec.begin(requests, step)
         with torch.inference_mode():
             while waiting or running:
                 batch = self.schedule(waiting, running)
@@ -166,69 +222,125 @@ class Engine:
                     bar.update(n_done)
         if bar is not None:
             bar.close()
-        return [self._result(s) for s in seqs]
+        results = [self._result(s) for s in seqs]
+        if self.spec is not None:
+            self.spec.end(results, step, purpose)
+        return results
+
+    def pregenerate(self, requests: list[Request], step: int, coupled: bool = True) -> list[Result]:
+        """Bubble work: generate ``requests`` of a FUTURE step ``step`` with the current weights
+        and keep the responses as that step's bubble drafts (DESIGN.md §2, coupled drafts).
+        ``coupled=False`` samples them with unrelated noise instead (a control that measures
+        what coupling gains; the drafts stay valid, just less often accepted)."""
+        bubble = self.spec.bubble if self.spec is not None else None
+        if bubble is None:
+            raise ValueError("pregenerate needs a speculator with the 'bubble' source (spec.sources)")
+        noise_step = step if coupled else step ^ _UNCOUPLED_STEP_BIT
+        results = self.generate(requests, noise_step, purpose="bubble")
+        bubble.store(step, results)
+        return results
 
     def schedule(self, waiting: deque, running: list[_Seq]) -> _Batch:
         """Host only: prefill as many waiting requests as there are free slots, else decode all
-        running ones."""
+        running ones; each row gets the speculator's draft tokens, if any."""
         table = self.cache.table
         if waiting and table.n_free:
             seqs = [waiting.popleft() for _ in range(min(len(waiting), table.n_free))]
             for s in seqs:
                 s.slot = table.allocate()
-            return _Batch(seqs, [list(s.req.prompt_ids) for s in seqs], is_prefill=True)
-        return _Batch(list(running), [[s.tokens[-1]] for s in running], is_prefill=False)
+            pending, is_prefill = [list(s.req.prompt_ids) for s in seqs], True
+        else:
+            seqs, is_prefill = list(running), False
+            pending = [[s.tokens[-1]] for s in seqs]
+        if self.spec is None:
+            drafts = [[] for _ in seqs]
+        else:
+            drafts = self.spec.propose([s.req for s in seqs], [s.tokens for s in seqs],
+                                       [s.room(self.cfg.max_seq_len) for s in seqs], len(seqs))
+        return _Batch(seqs, pending, drafts, is_prefill)
 
-    def run(self, batch: _Batch, step: int) -> tuple[list[int], list[float], list[float]]:
-        """Device work for one batch: forward through the cache and sample one token per row."""
-        n_new = [len(x) for x in batch.inputs]
+    def run(self, batch: _Batch, step: int) -> _Verified:
+        """Device work for one batch: one forward over every row's pending + draft tokens through
+        the cache, then the target's own sample at the last pending position and at every draft
+        position, compared with the drafts (megarl.spec.verify)."""
+        inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
+        n_new = [len(x) for x in inputs]
         t = max(n_new)
         attn, positions = self.cache.batch([s.slot for s in batch.seqs], n_new)
-        ids = torch.tensor([x + [0] * (t - len(x)) for x in batch.inputs], dtype=torch.int64)
-        ids = ids.to(self.device)
+        ids = torch.tensor([x + [0] * (t - len(x)) for x in inputs], dtype=torch.int64).to(self.device)
         hidden = self.model.hidden_states(ids, positions, attn)
-        rows = torch.arange(len(n_new), device=self.device)
-        last = hidden[rows, torch.tensor(n_new, device=self.device) - 1]  # last real token per row
-        logits = self.model.logits(last).to(self.sample_dtype)
-
+        # Verified rows: the last pending token and each draft token, in order, request by request.
+        rows, cols, draft_next, n_rows = [], [], [], []
+        for b, (n, d) in enumerate(zip(n_new, batch.drafts)):
+            first = n - 1 - len(d)
+            rows += [b] * (len(d) + 1)
+            cols += range(first, n)
+            draft_next += d + [-1]
+            n_rows.append(len(d) + 1)
+        dev = self.device
+        h = hidden[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]
+        logits = self.model.logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
-        key = torch.tensor([[r.uid, r.sample_idx, len(s.tokens)] for r, s in zip(reqs, batch.seqs)],
-                           dtype=torch.int64).to(self.device)
-        noise = gumbel_noise(self.seed, step, key[:, 0], key[:, 1], key[:, 2], self.vocab_size,
-                             self.sample_dtype)
-        temp = torch.tensor([r.params.temperature for r in reqs], dtype=self.sample_dtype)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=self.sample_dtype)
-        out = sample(logits, noise, temp.to(self.device), top_k.to(self.device), top_p.to(self.device))
+        row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
+        per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
+        temp = per_req([r.params.temperature for r in reqs], self.sample_dtype)
+        tokens, n_accept = verify(
+            logits, per_req(draft_next, torch.int64), row_start, temp,
+            per_req([r.params.top_k for r in reqs], torch.int64), per_req([r.params.top_p for r in reqs], self.sample_dtype),
+            per_req([r.uid for r in reqs], torch.int64), per_req([r.sample_idx for r in reqs], torch.int64),
+            per_req([len(s.tokens) for s in batch.seqs], torch.int64), self.seed, step)
+        logprobs, entropies = token_stats(logits, temp.repeat_interleave(torch.tensor(n_rows, device=dev)), tokens)
         self.stats["forwards"] += 1
-        return out.tokens.tolist(), out.logprobs.tolist(), out.entropies.tolist()
+        tokens, logprobs, entropies = tokens.tolist(), logprobs.tolist(), entropies.tolist()
+        out = _Verified([], [], [], n_accept.tolist())
+        for b, lo in enumerate(row_start[:-1].tolist()):
+            hi = lo + out.n_accept[b] + 1
+            out.tokens.append(tokens[lo:hi])
+            out.logprobs.append(logprobs[lo:hi])
+            out.entropies.append(entropies[lo:hi])
+        return out
 
-    def postprocess(self, batch: _Batch, out, running: list[_Seq]) -> int:
-        """Host only: record each row's token; retire finished requests. Returns how many
-        finished."""
-        tokens, logprobs, entropies = out
+    def postprocess(self, batch: _Batch, out: _Verified, running: list[_Seq]) -> int:
+        """Host only: append each row's verified tokens up to a stop condition, roll the cache
+        back past rejected drafts, retire finished requests. Returns how many finished."""
         n_done = 0
-        for s, tok, lp, ent in zip(batch.seqs, tokens, logprobs, entropies):
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            s.entropies.append(ent)
+        table = self.cache.table
+        for s, pend, draft, toks, lps, ents, n_acc in zip(batch.seqs, batch.pending, batch.drafts, out.tokens,
+                                                          out.logprobs, out.entropies, out.n_accept):
+            n0 = len(s.tokens)
+            for tok, lp, ent in zip(toks, lps, ents):
+                s.tokens.append(tok)
+                s.logprobs.append(lp)
+                s.entropies.append(ent)
+                s.finish_reason = self._finish_reason(s, tok)
+                if s.finish_reason is not None:
+                    break
             s.n_forwards += 1
-            p = s.req.params
-            if tok in p.stop_token_ids:
-                s.finish_reason = "stop"
-            elif (len(s.tokens) >= p.max_new_tokens
-                  or len(s.req.prompt_ids) + len(s.tokens) >= self.cfg.max_seq_len):
-                s.finish_reason = "length"
+            new = s.tokens[n0:]
+            if self.spec is not None:
+                self.spec.feedback(s.req, new, len(draft), n_acc)
             if batch.is_prefill and s.finish_reason is None:
                 running.append(s)
             elif not batch.is_prefill and s.finish_reason is not None:
                 running.remove(s)
             if s.finish_reason is not None:
-                self.cache.table.free(s.slot)
+                table.free(s.slot)
                 n_done += 1
-        self.stats["tokens"] += len(batch.seqs)
+            else:
+                # The cache holds pending + all drafts; keep pending + the accepted drafts (the
+                # last produced token is fed, and cached, by the next forward).
+                table.truncate(s.slot, table.lengths[s.slot] - (len(draft) - n_acc))
+            self.stats["tokens"] += len(new)
         self.stats["target_forwards"] += len(batch.seqs)
         return n_done
+
+    def _finish_reason(self, s: _Seq, tok: int) -> str | None:
+        p = s.req.params
+        if tok in p.stop_token_ids:
+            return "stop"
+        if len(s.tokens) >= p.max_new_tokens or len(s.req.prompt_ids) + len(s.tokens) >= self.cfg.max_seq_len:
+            return "length"
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _validate(self, requests: list[Request]) -> None:

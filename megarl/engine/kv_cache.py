@@ -67,6 +67,16 @@ class SlotTable:
         return starts
 
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget cached positions >= ``length`` of ``slot`` (rejected draft tokens): they are
+        never read again (attention masks by position) and the next forward overwrites them."""
+        if not self._used[slot]:
+            raise ValueError(f"slot {slot} is not allocated")
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot}: cannot truncate {self.lengths[slot]} cached positions to {length}")
+        self.lengths[slot] = length
+
+
 class KVCache:
     """Preallocated k/v tensors plus their ``SlotTable``."""
 

@@ -19,13 +19,30 @@ int64 tensors masked to 32 bits)::
         h = h ^ 32                                    # message length in bytes
         h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16
     u = float32(h >> 9) * 2**-23 + 2**-24            # every step exact in fp32
-    g = -log(-log(u))                                 # computed in float32
+    g = -det_log(-det_log(u))                         # float32, megarl/engine/detmath.py;
+                                                      # "-" flips the sign bit (-0.0 stays exact)
     noise = g cast to the logits dtype
 
 ``u`` uses the 23 high bits of ``h`` (not 24): with 24 bits the half-step offset needs 25
 significant bits, so fp32 rounds the largest ``u`` to exactly 1.0 and ``g`` becomes +inf
 (about 1% of rows at a 150k vocab). With 23 bits ``u`` lies exactly on the grid
-``(2j+1) / 2**24`` inside (0, 1), so ``g`` is finite in [-2.81, 16.6].
+``(2j+1) / 2**24`` inside (0, 1), so ``g`` is finite in [-2.82, 16.7]. ``det_log`` is a log
+made of correctly rounded basic float ops only, so torch (CPU or CUDA) and the Triton verify
+kernel compute the same noise bits (``torch.log`` differs across backends in the last ulp).
+
+Filters (every step is exact or correctly rounded, so backends agree bit for bit). With
+``s = logits / T`` in the logits' dtype (T = 0 rows use T = 1) and tokens ranked by
+(s descending, token id ascending):
+
+- top-k (k > 0): keep v iff fewer than k tokens rank above v.
+- top-p (p < 1, p taken in float64): ``w_v = det_exp(float32(s_v - max(s)))`` (exactly 1 at the
+  top token), ``q_v = floor(w_v * 2**24)`` as an integer for tokens kept by top-k, else 0
+  (NaN w counts 0); ``Z = sum q``; ``A_v`` = sum of ``q_u`` over tokens u ranked strictly above
+  v. Keep v iff it is kept by top-k and (``A_v < p * Z`` in float64, or v has rank 0). Integer
+  sums are exact in any order, unlike a float cumsum of softmax probabilities, so a sorted
+  torch reference and a sort-free kernel select the same nucleus. ``q_v / 2**24`` is token v's
+  probability relative to the top token, truncated to a multiple of 2**-24, so tokens below
+  2**-24 of the top one never join a nucleus with p < 1.
 
 ``position`` is the index of the generated token within the response (0 = first generated
 token), so the prompt length never enters the noise.
@@ -36,6 +53,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from megarl.engine.detmath import det_exp, det_log
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0xCC9E2D51, 0x1B873593
@@ -143,7 +162,7 @@ def gumbel_noise(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: tor
     See the module docstring for the exact formula."""
     h = noise_hash(seed, step, prompt_uid, sample_idx, position, vocab_size)
     u = (h >> 9).to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
-    return (-torch.log(-torch.log(u))).to(dtype)
+    return (-det_log(-det_log(u))).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,25 +186,27 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tens
 
     Each parameter is a scalar or a tensor [N] (one value per row). T=0 rows are scaled by 1
     (the caller takes their argmax anyway). Top-k is applied first, then top-p on the
-    renormalised top-k distribution (the HF / vLLM order). Ties are broken by a stable sort:
-    among equal logits the lower token id ranks first, so the kept set is deterministic."""
+    renormalised top-k distribution (the HF / vLLM order), with the exact integer criterion of
+    the module docstring. Ties rank by token id (a stable sort): the kept set is deterministic."""
     n, vocab = logits.shape
     dev = logits.device
     scaled = logits / _effective_temperature(temperature, n, logits.dtype, dev)
     k = _as_col(top_k, n, torch.int64, dev)
-    p = _as_col(top_p, n, logits.dtype, dev)
+    p = _as_col(top_p, n, torch.float64, dev)
     k_on, p_on = k > 0, p < 1.0
     if not bool((k_on | p_on).any()):  # nothing to filter: skip the O(V log V) sort
         return scaled
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    sorted_s, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
     keep = ~k_on | (rank < k)
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly higher-ranked tokens
-    # A token joins the nucleus while the mass above it is still short of top_p; rank 0 always
-    # joins. top_p = 1 is "off" explicitly, since rounding can push the cumsum to 1 early.
-    keep = keep & (~p_on | (before < p) | (rank == 0))
+    if bool(p_on.any()):
+        w = det_exp((sorted_s - sorted_s[:, :1]).to(torch.float32))
+        q = (w * 2.0 ** 24).to(torch.int64)  # w in [0, 1]: truncation is floor
+        q = torch.where(keep & ~torch.isnan(w), q, 0)
+        z = q.sum(-1, keepdim=True)
+        above = torch.cumsum(q, dim=-1) - q  # exact integer mass of strictly higher-ranked tokens
+        # top_p = 1 is "off" explicitly (p * Z = Z would still drop tokens with q = 0)
+        keep = keep & (~p_on | (above.to(torch.float64) < p * z.to(torch.float64)) | (rank == 0))
     mask = torch.zeros_like(keep).scatter(1, order, keep)
     return scaled.masked_fill(~mask, float("-inf"))
 

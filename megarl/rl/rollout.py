@@ -51,12 +51,17 @@ class RolloutStage:
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
 
+    def requests(self, uids: list[int]) -> list[Request]:
+        """The G requests of each prompt in ``uids``, grouped by prompt."""
+        tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
+        return [Request(uid=u, sample_idx=i, prompt_ids=tok.encode(self.inputs.problems[u].prompt), params=self.params)
+                for u in uids for i in range(g)]
+
     def run(self, uids: list[int], step: int) -> list[Group]:
         tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
         problems = [self.inputs.problems[u] for u in uids]
-        requests = [Request(uid=p.uid, sample_idx=i, prompt_ids=tok.encode(p.prompt), params=self.params)
-                    for p in problems for i in range(g)]
-        results = self.engine.generate(requests, step=step)
+        self.engine.reset_stats()
+        results = self.engine.generate(self.requests(uids), step=step)
         groups = []
         for k, p in enumerate(problems):
             res = results[k * g:(k + 1) * g]
@@ -64,13 +69,21 @@ class RolloutStage:
             groups.append(Group(problem=p, results=res, rewards=rewards))
         return groups
 
-    @staticmethod
-    def metrics(groups: list[Group]) -> dict[str, float]:
+    def pregenerate(self, uids: list[int], step: int) -> int:
+        """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts.
+        Returns the tokens generated."""
+        results = self.engine.pregenerate(self.requests(uids), step)
+        return sum(len(r.tokens) for r in results)
+
+    def metrics(self, groups: list[Group]) -> dict[str, float]:
+        """Per-step rollout figures (read right after ``run``: the engine's counters cover it)."""
         results = [r for g in groups for r in g.results]
         rewards = np.array([x for g in groups for x in g.rewards])
         lens = np.array([len(r.tokens) for r in results])
         ents = [e for r in results for e in r.entropies]
-        return {
+        forwards = int(sum(r.n_forwards for r in results))
+        spec = self.engine.spec.metrics() if self.engine.spec is not None else {}
+        return {**spec,
             "reward_mean": float(rewards.mean()),
             "reward_max": float(rewards.max()),
             "entropy_mean": float(np.mean(ents)) if ents else 0.0,
@@ -80,5 +93,8 @@ class RolloutStage:
             "truncated_frac": float(np.mean([r.finish_reason == "length" for r in results])),
             "zero_var_groups": int(sum(len(set(g.rewards)) == 1 for g in groups)),
             "rollout_tokens": int(lens.sum()),
-            "target_forwards": int(sum(r.n_forwards for r in results)),
+            "target_forwards": forwards,
+            "engine_forwards": self.engine.stats["forwards"],
+            # Without speculation every token costs its request one forward.
+            "forward_reduction": 1.0 - forwards / max(1, int(lens.sum())),
         }

@@ -5,6 +5,7 @@ import struct
 import pytest
 import torch
 
+from megarl.engine.detmath import det_exp, det_log
 from megarl.engine.sampler import SamplingParams, filter_logits, gumbel_noise, noise_hash, sample
 
 M = 0xFFFFFFFF
@@ -60,7 +61,73 @@ def test_hash_matches_documented_formula():
         # and the fp32 mapping of the docstring, bit for bit
         g = _noise(seed, step, uid, sidx, pos, vocab, torch.float32)
         uu = (h >> 9).to(torch.float32) * 2.0 ** -23 + 2.0 ** -24
-        assert torch.equal(g, -torch.log(-torch.log(uu)))
+        assert torch.equal(g, -det_log(-det_log(uu)))
+
+
+def _ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in units of the float32 ulp at the exact value (float64 math throughout:
+    the engine turns on flush-denormal process-wide, which would zero a float32 ulp of 0)."""
+    _, e = torch.frexp(exact)
+    ulp = torch.ldexp(torch.ones_like(exact), (e - 24).clamp(min=-149))
+    return (got.double() - exact).abs() / ulp
+
+
+def test_det_log_accuracy_on_every_noise_input():
+    u = torch.arange(2 ** 23, dtype=torch.int64).to(torch.float32) * 2.0 ** -23 + 2.0 ** -24  # the whole u grid
+    lu = det_log(u)
+    assert _ulps(lu, torch.log(u.double())).max() <= 2
+    v = -lu  # the second log's inputs, (0, 16.7]
+    assert (v > 0).all()
+    assert _ulps(det_log(v), torch.log(v.double())).max() <= 2
+    g = -det_log(v)
+    assert torch.isfinite(g).all() and -2.82 < g.min() < -2.81 and 16.6 < g.max() < 16.7
+    # random positive normal and subnormal floats (all exponents)
+    bits = torch.randint(1, 0x7F800000, (1 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    x = bits.view(torch.float32)
+    x64 = torch.where(bits < 0x00800000, bits.double() * 2.0 ** -149, x.double())  # no float op on subnormals
+    assert _ulps(det_log(x), torch.log(x64)).max() <= 2
+    special = det_log(torch.tensor([0.0, -0.0, -1.0, float("inf"), float("nan"), 1.0]))
+    assert special[:2].tolist() == [float("-inf")] * 2 and special[2:5].isnan().tolist() == [True, False, True]
+    assert special[3] == float("inf") and special[5] == 0.0
+
+
+def test_detmath_bits_do_not_depend_on_flush_denormal():
+    """The engine turns flush-to-zero on for CPU speed, GPUs keep subnormals: same bits either way."""
+    def flushing() -> bool:
+        return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+    u = torch.arange(0, 2 ** 23, 7).to(torch.float32) * 2.0 ** -23 + 2.0 ** -24
+    bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (1 << 18,), generator=torch.Generator().manual_seed(2),
+                         dtype=torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.tensor([1e-40, -1e-40, -1e-20, 1e-45, -1e-38])])
+    run = lambda: [(-det_log(-det_log(u))).view(torch.int32), det_log(x).view(torch.int32),  # noqa: E731
+                   det_exp(x).view(torch.int32), det_exp(torch.linspace(-90, 90, 1 << 18)).view(torch.int32)]
+    before = flushing()
+    try:
+        torch.set_flush_denormal(False)
+        keep = run()
+        torch.set_flush_denormal(True)
+        flush = run()
+    finally:
+        torch.set_flush_denormal(before)
+    for a, b in zip(keep, flush):
+        nan = torch.isnan(a.view(torch.float32))
+        assert torch.equal(a[~nan], b[~nan]) and torch.isnan(b.view(torch.float32))[nan].all()
+
+
+def test_det_exp_accuracy_and_exact_one():
+    x = torch.cat([torch.linspace(-87, 88, 1 << 22, dtype=torch.float32),
+                   -torch.rand(1 << 18, generator=torch.Generator().manual_seed(1)) * 1e-3])
+    assert _ulps(det_exp(x), torch.exp(x.double())).max() <= 2
+    edge = torch.tensor([0.0, -0.0, -1e-30, 1e-30, -87.5, 88.5, float("-inf"), float("inf"), float("nan")])
+    out = det_exp(edge)
+    assert out[:4].tolist() == [1.0, 1.0, 1.0, 1.0]  # exactly 1 at 0: the top-p weight of the max token
+    assert out[4:8].tolist() == [0.0, float("inf"), 0.0, float("inf")] and out[8].isnan()
+    # monotone on the top-p domain (s - max in [-17, 0]): a coarser check of the polynomial
+    y = det_exp(torch.linspace(-17, 0, 1 << 20, dtype=torch.float32))
+    assert (y[1:] >= y[:-1]).all()
+    with pytest.raises(TypeError, match="float32"):
+        det_exp(torch.zeros(2, dtype=torch.float64))
 
 
 def test_noise_deterministic_and_keyed():
@@ -142,6 +209,46 @@ def test_filter_top_k_top_p_hand_computed():
     # top_p = 1 keeps even tokens whose cumulative mass rounds to 1
     far = torch.tensor([[0.0, -60.0, -80.0]], dtype=torch.float32)
     assert torch.isfinite(filter_logits(far, 1.0, 0, 1.0)).all()
+
+
+def _documented_top_p(scaled: torch.Tensor, k: int, p: float) -> list[bool]:
+    """The module docstring's top-k / top-p rule for one row s = logits / T, written out with
+    Python ints and floats."""
+    s = scaled.tolist()
+    order = sorted(range(len(s)), key=lambda v: (-s[v], v))
+    rank = {v: r for r, v in enumerate(order)}
+    in_k = [k == 0 or rank[v] < k for v in range(len(s))]
+    w = det_exp((scaled - scaled.max()).to(torch.float32)).tolist()  # difference in the logits' dtype
+    q = [int(w[v] * 2 ** 24) if in_k[v] else 0 for v in range(len(s))]
+    z = sum(q)
+    above = {v: sum(q[u] for u in order[: rank[v]]) for v in range(len(s))}
+    return [in_k[v] and (p >= 1.0 or float(above[v]) < p * float(z) or rank[v] == 0) for v in range(len(s))]
+
+
+def test_top_p_integer_criterion():
+    # two equal logits: q = 2**24 each, Z = 2**25; p = 0.5 puts the second exactly at p * Z
+    two = torch.tensor([[0.0, 0.0, -30.0]], dtype=torch.float64)
+    inf = float("-inf")
+    assert filter_logits(two, 1.0, 0, 0.5).tolist() == [[0.0, inf, inf]]  # ties: lower id ranks first
+    assert filter_logits(two, 1.0, 0, 0.5 + 1e-9).tolist() == [[0.0, 0.0, inf]]
+    # exp(-30) * 2**24 < 1: q = 0, so no p < 1 ever reaches that token; p = 1 (off) keeps it
+    assert filter_logits(two, 1.0, 0, 0.999999).tolist() == [[0.0, 0.0, inf]]
+    assert filter_logits(two, 1.0, 0, 1.0).tolist() == two.tolist()
+    # top-p mass is over the top-k set only
+    three = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.float32)
+    assert filter_logits(three, 1.0, 2, 0.6).tolist() == [[1.0, 1.0, inf, inf]]  # 2nd: above = 1/2 Z
+    assert filter_logits(three, 1.0, 2, 0.5).tolist() == [[1.0, inf, inf, inf]]
+    # -0.0 and 0.0 tie (ranked by id), temperature applied before the weights
+    signed = torch.tensor([[-0.0, 0.0, -1.0]], dtype=torch.float64)
+    assert filter_logits(signed, 2.0, 1, 1.0)[0, :2].tolist() == [-0.0, inf]
+    # random rows (dtype, ties, temperature, top-k) against the criterion written out in Python
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        dtype = (torch.float32, torch.float64)[trial % 2]
+        x = ((torch.randn(1, 30, generator=gen) * 8).round() / 4).to(dtype)
+        t, k, p = [0.5, 1.0, 1.7][trial % 3], [0, 1, 4, 7][trial % 4], [0.2, 0.6, 0.9, 0.99][trial % 4 - 1]
+        got = (filter_logits(x, t, k, p) != inf)[0].tolist()
+        assert got == _documented_top_p((x / torch.tensor(t, dtype=dtype))[0], k, p), trial
 
 
 def test_greedy_is_argmax_and_stats():

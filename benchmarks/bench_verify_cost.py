@@ -1,0 +1,87 @@
+"""Cost of a speculative verify step vs a plain decode step, by batch size: the measurement behind
+``spec.max_batch`` (speculation is switched off above it).
+
+A verify step over K drafts per request yields on average ``accept_len`` tokens per request; it
+pays off while ``verify_time(K) / decode_time < accept_len``. The script times the engine's own
+``run`` (forward through the cache + sampling/verification) on the model of a config, with every
+request holding ``--context`` cached tokens, and prints the ratio per batch size and K, side by
+side in one process.
+
+    .venv/bin/python benchmarks/bench_verify_cost.py --config configs/tiny.yaml [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from megarl.config import load_config
+from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+from megarl.engine.engine import _Batch, _Seq
+from megarl.models.llama import CausalLM
+from megarl.setup_run import prepare_inputs
+
+
+def time_step(engine: Engine, batch_size: int, k: int, context: int, repeats: int) -> float:
+    """Median seconds of one ``Engine.run`` over ``batch_size`` requests with ``k`` drafts each."""
+    table = engine.cache.table
+    seqs = []
+    for i in range(batch_size):
+        s = _Seq(i, Request(uid=i, sample_idx=0, prompt_ids=[2] * 4, params=SamplingParams()))
+        s.slot, s.tokens = table.allocate(), [3] * (context - 4)
+        seqs.append(s)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            for s in seqs:
+                table.lengths[s.slot] = context - 1
+            batch = _Batch(seqs, [[3] for _ in seqs], [[5] * k for _ in seqs], is_prefill=False)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.run(batch, step=0)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    for s in seqs:
+        table.free(s.slot)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch-sizes", default="1,4,16,64,256")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--context", type=int, default=128, help="cached tokens per request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    inputs = prepare_inputs(cfg)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    ks = [int(x) for x in args.ks.split(",")]
+    torch.manual_seed(0)
+    engine = Engine(CausalLM(inputs.args), EngineConfig(max_batch_size=max(sizes), max_seq_len=args.context + max(ks) + 2,
+                                                        dtype=args.dtype, device=args.device), seed=0)
+    rows = []
+    print(f"{'batch':>6} {'decode ms':>10} " + " ".join(f"{'K=' + str(k) + ' ratio':>11}" for k in ks))
+    for b in sizes:
+        base = time_step(engine, b, 0, args.context, args.repeats)
+        ratios = {k: time_step(engine, b, k, args.context, args.repeats) / base for k in ks}
+        rows.append({"batch": b, "decode_ms": base * 1e3, "verify_ratio": ratios})
+        print(f"{b:>6} {base * 1e3:>10.2f} " + " ".join(f"{ratios[k]:>11.2f}" for k in ks))
+    print("speculation pays off while the ratio stays below the mean tokens per verify forward "
+          "(accept_len_mean of `megarl bench rollout`)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``megarl bench``: each measures its variants side by side in one process."""

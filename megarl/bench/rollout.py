@@ -1,0 +1,192 @@
+"""``megarl bench rollout``: the same RL rollouts with speculation off and on, side by side.
+
+One process runs the real loop of a config (SFT warm-up, then GRPO steps that change the policy)
+and, at every step, generates the step's samples with one engine several times: without
+speculation (the reference) and with every draft source; on probe steps (the first step with
+bubble drafts, the first and last with history) also with each source alone and with bubble
+drafts made from unrelated noise (``bubble_uncoupled``: what coupling gains). Every variant must
+give exactly the reference's tokens. Bubble drafts for step t+1 are pre-generated after step t's
+rollouts with step t's weights; their time is reported apart (``bubble_time_s``): on a cluster it
+fills idle ranks, so the rollout speedup does not include it.
+
+``forward_reduction`` is ``1 - target_forwards / rollout_tokens``: without speculation every
+token costs its request one target forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from megarl.config import RunConfig
+from megarl.engine import Engine, EngineConfig
+from megarl.models.llama import CausalLM
+from megarl.parallel.dist import init_distributed, shutdown_distributed
+from megarl.parallel.weight_sync import sync_weights
+from megarl.rl.rollout import Group, RolloutStage, prompt_uids_for_step
+from megarl.rl.sft import run_sft
+from megarl.rl.update import grpo_update
+from megarl.setup_run import prepare_inputs
+from megarl.spec.speculator import Speculator
+from megarl.stream_train.trainer import Trainer
+from megarl.train import set_deterministic
+from megarl.utils.fs import atomic_write_text
+
+
+def _variants(cfg: RunConfig) -> dict[str, Speculator]:
+    spec = dataclasses.replace(cfg.spec, enabled=True)
+    out = {"all": Speculator(spec)}
+    for name in spec.sources:
+        out[name] = Speculator(dataclasses.replace(spec, sources=(name,)))
+    if "bubble" in spec.sources:
+        out["bubble_uncoupled"] = Speculator(dataclasses.replace(spec, sources=("bubble",)))
+    return out
+
+
+def _figures(results, engine: Engine, seconds: float) -> dict:
+    tokens = sum(len(r.tokens) for r in results)
+    forwards = sum(r.n_forwards for r in results)
+    m = engine.spec.metrics() if engine.spec is not None else {}
+    return {"time_s": seconds, "tokens": tokens, "target_forwards": forwards,
+            "engine_forwards": engine.stats["forwards"], "forward_reduction": 1.0 - forwards / max(tokens, 1),
+            "accept_len_mean": m.get("spec/accept_len_mean", 0.0),
+            "drafted_forwards": m.get("spec/forwards", 0), "drafted_forward_tokens": m.get("spec/tokens", 0)}
+
+
+def probe_steps(cfg: RunConfig, steps: int, n_prompts: int) -> set[int]:
+    """Steps where every variant runs (the others run only "off" and "all", to keep the benchmark
+    short): the first step with bubble drafts, and the first and last steps with history."""
+    first_history = -(-n_prompts // cfg.rollout.prompts_per_step)
+    return {s for s in (1, first_history, steps - 1) if 0 <= s < steps}
+
+
+def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bool = True) -> dict:
+    """Run ``steps`` RL steps of ``cfg`` with the rollout variants; write and return the figures."""
+    inputs = prepare_inputs(cfg)
+    if cfg.deterministic:
+        set_deterministic()
+    dims = init_distributed()
+    try:
+        trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
+        if cfg.sft.steps > 0:
+            run_sft(trainer, inputs, cfg)
+            trainer.reset_optimizer()
+        trainer.set_lr(cfg.trainer.lr)
+        engine = Engine(CausalLM(inputs.args), EngineConfig(
+            max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
+            dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed)
+        sync_weights(trainer, engine)
+        stage = RolloutStage(engine, inputs, cfg)
+        variants = _variants(cfg)
+        probes = probe_steps(cfg, steps, len(inputs.problems))
+        per_step = []
+        for step in tqdm(range(steps), desc="bench rollout", disable=not progress):
+            per_step.append(_bench_step(step, steps, cfg, inputs, engine, stage, variants, probes))
+            groups = per_step[-1].pop("_groups")
+            grpo_update(trainer, groups, cfg, inputs)
+            sync_weights(trainer, engine)
+    finally:
+        shutdown_distributed()
+    report = _summary(per_step, cfg)
+    path = Path(out_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> dict:
+    uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+    reqs = stage.requests(uids)
+    row = {"step": step}
+    engine.spec = None
+    engine.reset_stats()
+    t0 = time.perf_counter()
+    ref = engine.generate(reqs, step)
+    row["ar"] = _figures(ref, engine, time.perf_counter() - t0)
+    ref_tokens = [r.tokens for r in ref]
+    row["entropy_mean"] = float(np.mean([e for r in ref for e in r.entropies]))
+    row["has_bubble"] = variants["all"].bubble is not None and variants["all"].bubble.has_drafts(step)
+    row["has_history"] = step * cfg.rollout.prompts_per_step >= len(inputs.problems)
+    row["probe"] = step in probes
+    exact = True
+    for name, spec in variants.items():
+        if name != "all" and step not in probes:
+            continue
+        engine.spec = spec
+        engine.reset_stats()
+        t0 = time.perf_counter()
+        res = engine.generate(reqs, step)
+        row[name] = _figures(res, engine, time.perf_counter() - t0)
+        row[name]["exact_match"] = [r.tokens for r in res] == ref_tokens
+        exact &= row[name]["exact_match"]
+    row["exact_match"] = exact
+    if step + 1 < steps and "bubble_uncoupled" in variants:
+        nxt = stage.requests(prompt_uids_for_step(step + 1, cfg, len(inputs.problems)))
+        engine.spec = variants["all"]
+        t0 = time.perf_counter()
+        pre = engine.pregenerate(nxt, step + 1)
+        row["bubble_time_s"] = time.perf_counter() - t0
+        if step + 1 in probes:
+            variants["bubble"].bubble.store(step + 1, pre)
+            engine.spec = variants["bubble_uncoupled"]
+            engine.pregenerate(nxt, step + 1, coupled=False)
+    engine.spec = None
+    tok = inputs.tokenizer
+    g = cfg.rollout.group_size
+    groups = []
+    for k, u in enumerate(uids):
+        p = inputs.problems[u]
+        res = ref[k * g:(k + 1) * g]
+        groups.append(Group(p, res, [float(inputs.reward_fn(p, tok.decode(r.tokens))) for r in res]))
+    row["_groups"] = groups
+    return row
+
+
+def _pooled(rows: list[dict], name: str) -> dict:
+    """Figures of variant ``name`` pooled over the ``rows`` that ran it (sums of forwards and tokens)."""
+    rows = [r for r in rows if name in r]
+    if not rows:
+        return {}
+    tokens = sum(r[name]["tokens"] for r in rows)
+    forwards = sum(r[name]["target_forwards"] for r in rows)
+    drafted_fwd = sum(r[name]["drafted_forwards"] for r in rows)
+    return {"forward_reduction": 1.0 - forwards / max(tokens, 1),
+            "accept_len_mean": sum(r[name]["drafted_forward_tokens"] for r in rows) / max(drafted_fwd, 1),
+            "time_s": sum(r[name]["time_s"] for r in rows)}
+
+
+def _summary(rows: list[dict], cfg: RunConfig) -> dict:
+    names = sorted({k for r in rows for k in r if isinstance(r[k], dict) and k != "ar"})
+    bubble_rows = [r for r in rows if r["has_bubble"]]
+    hist_rows = [r for r in rows if r["has_history"]]
+    allf = _pooled(rows, "all")
+    out = {
+        "exact_match": all(r["exact_match"] for r in rows),
+        "forward_reduction": allf["forward_reduction"],
+        "speedup": sum(r["ar"]["time_s"] for r in rows) / allf["time_s"],
+        "speedup_first_bubble_step": (bubble_rows[0]["ar"]["time_s"] / bubble_rows[0]["all"]["time_s"]
+                                      if bubble_rows else None),
+        "accept_len_mean": allf["accept_len_mean"],
+        "entropy_mean": float(np.mean([r["entropy_mean"] for r in rows])),
+        "forward_reduction_first_bubble_step": (bubble_rows[0]["all"]["forward_reduction"] if bubble_rows else None),
+        "forward_reduction_with_history": _pooled(hist_rows, "all").get("forward_reduction"),
+        # Each source alone, on the probe steps where it can draft (bubble: drafts were made;
+        # history: the prompts came back).
+        "by_source": {n: _pooled(bubble_rows if n == "bubble" else hist_rows if n == "history" else rows, n)
+                      for n in names if n not in ("all", "bubble_uncoupled")},
+        # The same probe steps' bubble drafts, made with this step's noise vs with unrelated noise.
+        "bubble_uncoupled": _pooled(bubble_rows, "bubble_uncoupled"),
+        "bubble_coupled": _pooled(bubble_rows, "bubble"),
+        "ar_time_s": sum(r["ar"]["time_s"] for r in rows),
+        "spec_time_s": allf["time_s"],
+        "bubble_time_s": sum(r.get("bubble_time_s", 0.0) for r in rows),
+        "steps": rows,
+        "config": {"spec": dataclasses.asdict(cfg.spec), "temperature": cfg.rollout.temperature,
+                   "top_p": cfg.rollout.top_p, "prompts_per_step": cfg.rollout.prompts_per_step,
+                   "group_size": cfg.rollout.group_size},
+    }
+    return out
