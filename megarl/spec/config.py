@@ -28,6 +28,10 @@ class SpecConfig:
     """Speculation is off in a decode step with more running requests than this: there the
     verify forward over K+1 tokens per request costs more than the tokens it saves. The default
     is measured for the tiny CPU model (see benchmarks/bench_verify_cost.py); measure yours."""
+    max_draft_tokens: int = 0
+    """Most draft tokens in one forward, over all its requests (0 = no limit). A large batch
+    gets short drafts and the tail of a step, where a few long requests run alone, gets up to
+    k_max: verify cost grows with the tokens per forward once the device is busy."""
     max_match: int = 16
     """Longest suffix of a request's recent tokens looked up in the suffix indexes."""
     min_match: int = 1
@@ -58,6 +62,8 @@ class SpecConfig:
         if not 1 <= self.k_min <= self.k_init <= self.k_max:
             raise ValueError(f"spec draft lengths must satisfy 1 <= k_min <= k_init <= k_max, got "
                              f"k_min={self.k_min} k_init={self.k_init} k_max={self.k_max}")
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"spec.max_draft_tokens={self.max_draft_tokens} is invalid; valid range: >= 0 (0 = no limit)")
         if self.max_batch < 1:
             raise ValueError(f"spec.max_batch={self.max_batch} is invalid; valid range: >= 1")
         if not 1 <= self.min_match <= self.max_match:

@@ -7,7 +7,8 @@ draft at all.
   draft and halves after an early rejection (fewer than half of the drafted tokens accepted).
 - Speculation is off in a step with more running requests than ``spec.max_batch``: a large
   batch already keeps the device busy, and verifying K+1 tokens per request costs more than the
-  forwards it saves.
+  forwards it saves. Below it, ``spec.max_draft_tokens`` caps the draft tokens of one forward,
+  so drafts are short while the batch is large and long in the tail of the step.
 All of it runs on the host; nothing here can change a sampled token.
 """
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Speculator:
         tokens request b can still take after the one its verify forward always produces)."""
         if n_rows > self.cfg.max_batch:
             return [[] for _ in reqs]
+        cap = self.cfg.max_draft_tokens // n_rows if self.cfg.max_draft_tokens else self.cfg.k_max
         drafts = []
         for req, toks, r in zip(reqs, tokens, room):
             key = (req.uid, req.sample_idx)
-            k = min(self._k.setdefault(key, self.cfg.k_init), r)
+            k = min(self._k.setdefault(key, self.cfg.k_init), r, cap)
             best = self._best(req, toks, k) if k > 0 else None
             if best is None:
                 drafts.append([])

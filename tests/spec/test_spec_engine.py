@@ -96,6 +96,12 @@ def test_adaptive_draft_length_and_batch_threshold():
     assert spec.propose([req], [[]], [100], n_rows=1)[0] != []
     assert spec.propose([req], [[]], [100], n_rows=4) == [[]]  # batch above max_batch: off
     assert spec.propose([req], [[]], [0], n_rows=1) == [[]]  # no room left for drafts
+    spec.begin([req], 0)  # back to k_init = 2
+    spec.cfg.max_draft_tokens = 3  # token budget of one forward, shared by its rows
+    assert len(spec.propose([req], [[]], [100], n_rows=1)[0]) == 2  # k_init, under the budget
+    assert len(spec.propose([req], [[]], [100], n_rows=3)[0]) == 1  # 3 tokens over 3 rows
+    spec.cfg.max_batch = 100
+    assert spec.propose([req], [[]], [100], n_rows=4) == [[]]  # under one token per row: none
 
 
 def _tiny_task(n_prompts, temperature, top_p):
