@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from megarl.engine.kv_cache import KVCache
-from megarl.engine.sampler import SamplingParams
+from megarl.engine.sampler import SamplingParams, token_stats
 from megarl.models.llama import CausalLM
 from megarl.spec.verify import verify
 
@@ -97,17 +97,6 @@ class Result:
     """"stop" (a stop token was sampled) or "length" (max_new_tokens or max_seq_len)."""
     n_forwards: int
     """Target forward passes this request took part in, prefill included."""
-
-
-def token_stats(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor):
-    """log p(token) and the entropy of softmax(logits / T) per row (T=0 read as 1), unfiltered."""
-    stat_dtype = torch.promote_types(logits.dtype, torch.float32)
-    t = temperature.to(stat_dtype)[:, None]
-    logp = torch.log_softmax(logits.to(stat_dtype) / torch.where(t == 0, torch.ones_like(t), t), dim=-1)
-    p = logp.exp()
-    # p * logp with p = 0 (a -inf logit) is 0, not nan.
-    entropies = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    return logp.gather(1, tokens[:, None])[:, 0], entropies
 
 
 class _Seq:

@@ -230,12 +230,17 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, temperature, top_k=0, top_
     greedy_tok = torch.argmax(logits, dim=-1)
     sampled_tok = torch.argmax(filter_logits(logits, temperature, top_k, top_p) + noise, dim=-1)
     tokens = torch.where(t[:, 0] == 0, greedy_tok, sampled_tok)
+    return SampleOutput(tokens, *token_stats(logits, temperature, tokens))
 
+
+def token_stats(logits: torch.Tensor, temperature, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) [N] and the entropy [N] of softmax(logits / T) per row (unfiltered; T=0 rows
+    read as T=1), in at least fp32. ``temperature`` is a scalar or a tensor [N]."""
+    n = logits.shape[0]
     stat_dtype = torch.promote_types(logits.dtype, torch.float32)
     scaled = logits.to(stat_dtype) / _effective_temperature(temperature, n, stat_dtype, logits.device)
     logp = torch.log_softmax(scaled, dim=-1)
     p = logp.exp()
     # p * logp with p = 0 (a -inf logit) is 0, not nan.
     entropies = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    logprobs = logp.gather(1, tokens[:, None])[:, 0]
-    return SampleOutput(tokens, logprobs, entropies)
+    return logp.gather(1, tokens[:, None])[:, 0], entropies
