@@ -27,7 +27,7 @@ from megarl.engine import Engine, EngineConfig
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.weight_sync import sync_weights
-from megarl.rl.rollout import Group, RolloutStage, prompt_uids_for_step
+from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
 from megarl.rl.update import grpo_update
 from megarl.setup_run import prepare_inputs
@@ -136,14 +136,7 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
             engine.spec = variants["bubble_uncoupled"]
             engine.pregenerate(nxt, step + 1, coupled=False)
     engine.spec = None
-    tok = inputs.tokenizer
-    g = cfg.rollout.group_size
-    groups = []
-    for k, u in enumerate(uids):
-        p = inputs.problems[u]
-        res = ref[k * g:(k + 1) * g]
-        groups.append(Group(p, res, [float(inputs.reward_fn(p, tok.decode(r.tokens))) for r in res]))
-    row["_groups"] = groups
+    row["_groups"] = stage.groups(uids, ref)
     return row
 
 

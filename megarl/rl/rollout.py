@@ -58,13 +58,15 @@ class RolloutStage:
                 for u in uids for i in range(g)]
 
     def run(self, uids: list[int], step: int) -> list[Group]:
-        tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
-        problems = [self.inputs.problems[u] for u in uids]
         self.engine.reset_stats()
-        results = self.engine.generate(self.requests(uids), step=step)
+        return self.groups(uids, self.engine.generate(self.requests(uids), step=step))
+
+    def groups(self, uids: list[int], results: list[Result]) -> list[Group]:
+        """The results of ``requests(uids)`` as GRPO groups, with their rewards."""
+        tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
         groups = []
-        for k, p in enumerate(problems):
-            res = results[k * g:(k + 1) * g]
+        for k, u in enumerate(uids):
+            p, res = self.inputs.problems[u], results[k * g:(k + 1) * g]
             rewards = [float(self.inputs.reward_fn(p, tok.decode(r.tokens))) for r in res]
             groups.append(Group(problem=p, results=res, rewards=rewards))
         return groups
