@@ -1,11 +1,13 @@
 """Cost of a speculative verify step vs a plain decode step, by batch size: the measurement behind
-``spec.max_batch`` (speculation is switched off above it).
+``spec.forward_cost_tokens`` (and ``spec.max_batch``).
 
 A verify step over K drafts per request yields on average ``accept_len`` tokens per request; it
 pays off while ``verify_time(K) / decode_time < accept_len``. The script times the engine's own
 ``run`` (forward through the cache + sampling/verification) on the model of a config, with every
 request holding ``--context`` cached tokens, and prints the ratio per batch size and K, side by
-side in one process.
+side in one process. It then fits ``time = a + c * B + b * B * (K + 1)`` (a: fixed cost of a
+forward, c: per request, b: per token row) and prints ``a / b``, the value to give
+``spec.forward_cost_tokens`` on this device.
 
     .venv/bin/python benchmarks/bench_verify_cost.py --config configs/tiny.yaml [--device cuda]
 """
@@ -38,7 +40,7 @@ def time_step(engine: Engine, batch_size: int, k: int, context: int, repeats: in
         for _ in range(repeats + 1):  # the first is a warm-up
             for s in seqs:
                 table.lengths[s.slot] = context - 1
-            batch = _Batch(seqs, [[3] for _ in seqs], [[5] * k for _ in seqs], is_prefill=False)
+            batch = _Batch(seqs, [[3] for _ in seqs], [[5] * k for _ in seqs])
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -69,18 +71,31 @@ def main() -> None:
     torch.manual_seed(0)
     engine = Engine(CausalLM(inputs.args), EngineConfig(max_batch_size=max(sizes), max_seq_len=args.context + max(ks) + 2,
                                                         dtype=args.dtype, device=args.device), seed=0)
-    rows = []
+    rows, points = [], []
     print(f"{'batch':>6} {'decode ms':>10} " + " ".join(f"{'K=' + str(k) + ' ratio':>11}" for k in ks))
     for b in sizes:
         base = time_step(engine, b, 0, args.context, args.repeats)
-        ratios = {k: time_step(engine, b, k, args.context, args.repeats) / base for k in ks}
+        points.append((b, 0, base))
+        ratios = {}
+        for k in ks:
+            t = time_step(engine, b, k, args.context, args.repeats)
+            points.append((b, k, t))
+            ratios[k] = t / base
         rows.append({"batch": b, "decode_ms": base * 1e3, "verify_ratio": ratios})
         print(f"{b:>6} {base * 1e3:>10.2f} " + " ".join(f"{ratios[k]:>11.2f}" for k in ks))
     print("speculation pays off while the ratio stays below the mean tokens per verify forward "
           "(accept_len_mean of `megarl bench rollout`)")
+    x = torch.tensor([[1.0, b, b * (k + 1)] for b, k, _ in points], dtype=torch.float64)
+    y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
+    a, c, tok = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+    fit = {"forward_ms": a * 1e3, "per_request_ms": c * 1e3, "per_token_ms": tok * 1e3,
+           "forward_cost_tokens": a / tok if tok > 0 else float("inf")}
+    print(f"fit: {fit['forward_ms']:.3f} ms per forward + {fit['per_request_ms']:.4f} ms per request + "
+          f"{fit['per_token_ms']:.4f} ms per token row -> spec.forward_cost_tokens ~ {fit['forward_cost_tokens']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows}, f, indent=2)
+            json.dump({"device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows,
+                       "fit": fit}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """The native rollout engine: continuous batching over a slot KV cache, Gumbel-max sampling,
 speculative decoding.
 
-One iteration is ``schedule() -> run() -> postprocess()`` (DESIGN.md §3):
-- ``schedule`` (host only) admits waiting requests into free slots, or else picks every running
-  request for one decode step. Prefill has priority, so a freed slot is refilled at once. With a
-  speculator, each row also gets draft tokens (megarl/spec), prefill rows included.
-- ``run`` does the device work: one batched forward through the cache over each row's pending
-  and draft tokens, then one verify call: the target's own sample at the last pending position
+One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (DESIGN.md §3):
+- ``admit`` moves waiting requests into free slots, so a freed slot is refilled at once. The
+  prompt minus its last token is cached by one forward per distinct prompt (the G samples of a
+  GRPO group share it) and copied into the slots of the prompt's other samples.
+- ``schedule`` (host only) picks every running request for one decode step: its last token (the
+  prompt's last for a new request) plus, with a speculator, draft tokens (megarl/spec).
+- ``run`` does the device work: one forward through the cache over the rows' tokens, packed
+  without padding, then one verify call: the target's own sample at the last pending position
   and at every draft position, and the length of the accepted draft prefix.
 - ``postprocess`` (host) appends the accepted drafts plus the target's token, rolls the cache back
   past rejected drafts, retires finished requests and frees their slots.
@@ -120,13 +122,12 @@ class _Seq:
 
 @dataclass
 class _Batch:
-    """What ``schedule`` picked for one forward: the rows, their pending tokens (the prompt for a
-    prefill, the last sampled token for a decode) and their draft tokens."""
+    """What ``schedule`` picked for one forward: the rows, their pending token (the last sampled
+    token, or the prompt's last for a new request) and their draft tokens."""
 
     seqs: list[_Seq]
     pending: list[list[int]]
     drafts: list[list[int]]
-    is_prefill: bool
 
 
 class _Verified(NamedTuple):
@@ -204,7 +205,8 @@ class Engine:
             self.spec.begin(requests, step)
         with torch.inference_mode():
             while waiting or running:
-                batch = self.schedule(waiting, running)
+                self.admit(waiting, running)
+                batch = self.schedule(running)
                 out = self.run(batch, step)
                 n_done = self.postprocess(batch, out, running)
                 if bar is not None:
@@ -229,24 +231,40 @@ class Engine:
         bubble.store(step, results)
         return results
 
-    def schedule(self, waiting: deque, running: list[_Seq]) -> _Batch:
-        """Host only: prefill as many waiting requests as there are free slots, else decode all
-        running ones; each row gets the speculator's draft tokens, if any."""
+    def admit(self, waiting: deque, running: list[_Seq]) -> None:
+        """Move waiting requests into free slots (lowest first) and cache their prompts but the
+        last token (which the first decode row feeds): one packed forward over the distinct
+        prompts, whose k/v the other samples of the same prompt then copy."""
         table = self.cache.table
-        if waiting and table.n_free:
-            seqs = [waiting.popleft() for _ in range(min(len(waiting), table.n_free))]
-            for s in seqs:
-                s.slot = table.allocate()
-            pending, is_prefill = [list(s.req.prompt_ids) for s in seqs], True
-        else:
-            seqs, is_prefill = list(running), False
-            pending = [[s.tokens[-1]] for s in seqs]
+        if not waiting or not table.n_free:
+            return
+        by_prompt: dict[tuple[int, ...], list[_Seq]] = {}
+        for _ in range(min(len(waiting), table.n_free)):
+            s = waiting.popleft()
+            s.slot = table.allocate()
+            running.append(s)
+            by_prompt.setdefault(tuple(s.req.prompt_ids), []).append(s)
+        fills = [(p[:-1], seqs) for p, seqs in by_prompt.items() if len(p) > 1]
+        if not fills:
+            return
+        attn, positions = self.cache.batch([seqs[0].slot for _, seqs in fills], [len(p) for p, _ in fills])
+        ids = torch.tensor([[t for p, _ in fills for t in p]], dtype=torch.int64).to(self.device)
+        self.model.hidden_states(ids, positions, attn)  # only its k/v writes are needed
+        self.stats["forwards"] += 1
+        for p, seqs in fills:
+            self.cache.share_prefix(seqs[0].slot, [s.slot for s in seqs[1:]], len(p))
+
+    def schedule(self, running: list[_Seq]) -> _Batch:
+        """Host only: one decode row per running request, its pending token plus the
+        speculator's draft tokens, if any."""
+        seqs = list(running)
+        pending = [[s.tokens[-1] if s.tokens else s.req.prompt_ids[-1]] for s in seqs]
         if self.spec is None:
             drafts = [[] for _ in seqs]
         else:
             drafts = self.spec.propose([s.req for s in seqs], [s.tokens for s in seqs],
                                        [s.room(self.cfg.max_seq_len) for s in seqs], len(seqs))
-        return _Batch(seqs, pending, drafts, is_prefill)
+        return _Batch(seqs, pending, drafts)
 
     def run(self, batch: _Batch, step: int) -> _Verified:
         """Device work for one batch: one forward over every row's pending + draft tokens through
@@ -254,20 +272,18 @@ class Engine:
         position, compared with the drafts (megarl.spec.verify)."""
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         n_new = [len(x) for x in inputs]
-        t = max(n_new)
         attn, positions = self.cache.batch([s.slot for s in batch.seqs], n_new)
-        ids = torch.tensor([x + [0] * (t - len(x)) for x in inputs], dtype=torch.int64).to(self.device)
-        hidden = self.model.hidden_states(ids, positions, attn)
+        dev = self.device
+        ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.int64).to(dev)
+        hidden = self.model.hidden_states(ids, positions, attn)[0]  # [N, H], packed
         # Verified rows: the last pending token and each draft token, in order, request by request.
-        rows, cols, draft_next, n_rows = [], [], [], []
-        for b, (n, d) in enumerate(zip(n_new, batch.drafts)):
-            first = n - 1 - len(d)
-            rows += [b] * (len(d) + 1)
-            cols += range(first, n)
+        keep, draft_next, n_rows, off = [], [], [], 0
+        for n, d in zip(n_new, batch.drafts):
+            keep += range(off + n - 1 - len(d), off + n)
             draft_next += d + [-1]
             n_rows.append(len(d) + 1)
-        dev = self.device
-        h = hidden[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]
+            off += n
+        h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
         logits = self.model.logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
         row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
@@ -294,8 +310,8 @@ class Engine:
         back past rejected drafts, retire finished requests. Returns how many finished."""
         n_done = 0
         table = self.cache.table
-        for s, pend, draft, toks, lps, ents, n_acc in zip(batch.seqs, batch.pending, batch.drafts, out.tokens,
-                                                          out.logprobs, out.entropies, out.n_accept):
+        for s, draft, toks, lps, ents, n_acc in zip(batch.seqs, batch.drafts, out.tokens, out.logprobs,
+                                                    out.entropies, out.n_accept):
             n0 = len(s.tokens)
             for tok, lp, ent in zip(toks, lps, ents):
                 s.tokens.append(tok)
@@ -308,11 +324,8 @@ class Engine:
             new = s.tokens[n0:]
             if self.spec is not None:
                 self.spec.feedback(s.req, new, len(draft), n_acc)
-            if batch.is_prefill and s.finish_reason is None:
-                running.append(s)
-            elif not batch.is_prefill and s.finish_reason is not None:
-                running.remove(s)
             if s.finish_reason is not None:
+                running.remove(s)
                 table.free(s.slot)
                 n_done += 1
             else:
@@ -321,7 +334,22 @@ class Engine:
                 table.truncate(s.slot, table.lengths[s.slot] - (len(draft) - n_acc))
             self.stats["tokens"] += len(new)
         self.stats["target_forwards"] += len(batch.seqs)
+        if n_done:
+            self._compact(running)
         return n_done
+
+    def _compact(self, running: list[_Seq]) -> None:
+        """Fill the slots freed below the highest used one with the requests of the highest
+        slots, and keep ``running`` in slot order: the next decode's rows then sit in consecutive
+        slots, which attention reads in place instead of gathering (most of a CPU forward's cost
+        in the tail of a step, where finished requests leave holes everywhere)."""
+        table = self.cache.table
+        by_slot = {s.slot: s for s in running}
+        while 0 <= (lo := table.lowest_free()) < (hi := table.highest_used()):
+            self.cache.move(hi, lo)
+            by_slot[hi].slot = lo
+            by_slot[lo] = by_slot.pop(hi)
+        running.sort(key=lambda s: s.slot)
 
     def _finish_reason(self, s: _Seq, tok: int) -> str | None:
         p = s.req.params

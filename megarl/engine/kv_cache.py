@@ -1,7 +1,8 @@
 """KV cache with fixed slots, and the attention backend that reads and writes it.
 
 Each running request owns one *slot*: a row of the preallocated k/v tensors
-``[n_layers, max_slots, max_seq_len, n_kv_heads, head_dim]``. The slot table (which slots are
+``[n_layers, max_slots, n_kv_heads, max_seq_len, head_dim]`` (heads before positions, so that a
+slot's keys of one head are contiguous and attention reads them without copies). The slot table (which slots are
 free, how many positions each one holds) is plain Python, so the scheduler and its tests never
 touch the device (DESIGN.md §3). A forward over a batch of slots gets a ``CacheAttention``
 object built once per forward: it writes the new k/v of every row at that row's positions and
@@ -13,7 +14,10 @@ import heapq
 
 import torch
 
-from megarl.models.llama import attention
+
+
+def _positions(starts: list[int], t: int, device) -> torch.Tensor:
+    return torch.tensor(starts, dtype=torch.int64, device=device)[:, None] + torch.arange(t, device=device)
 
 
 class SlotTable:
@@ -66,6 +70,25 @@ class SlotTable:
             self.lengths[slot] = start + n
         return starts
 
+    def highest_used(self) -> int:
+        """The highest allocated slot, or -1 when none is."""
+        return max((i for i, u in enumerate(self._used) if u), default=-1)
+
+    def lowest_free(self) -> int:
+        """The slot ``allocate`` would hand out next, or -1 when none is free."""
+        return self._free[0] if self._free else -1
+
+    def move(self, src: int, dst: int) -> None:
+        """Bookkeeping of moving allocated slot ``src``'s positions to free slot ``dst``: ``dst``
+        becomes allocated with ``src``'s length and ``src`` is freed."""
+        if not 0 <= src < self.max_slots or not self._used[src]:
+            raise ValueError(f"slot {src} is not allocated")
+        if not 0 <= dst < self.max_slots or self._used[dst]:
+            raise ValueError(f"slot {dst} is not free")
+        self._free.remove(dst)
+        heapq.heapify(self._free)
+        self._used[dst], self.lengths[dst] = True, self.lengths[src]
+        self.free(src)
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget cached positions >= ``length`` of ``slot`` (rejected draft tokens): they are
@@ -83,7 +106,7 @@ class KVCache:
     def __init__(self, n_layers: int, max_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.table = SlotTable(max_slots, max_seq_len)
-        shape = (n_layers, max_slots, max_seq_len, n_kv_heads, head_dim)
+        shape = (n_layers, max_slots, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -93,23 +116,47 @@ class KVCache:
 
     def batch(self, slots: list[int], n_new: list[int]) -> tuple["CacheAttention", torch.Tensor]:
         """Reserve ``n_new[i]`` positions in each slot and build the attention backend for one
-        forward whose input is padded to ``max(n_new)`` tokens per row. Also returns the
-        positions [B, T] to give the model (padding positions continue the row's count; their
-        outputs are garbage and must be ignored by the caller)."""
+        forward over the *packed* new tokens: row 0's ``n_new[0]`` tokens, then row 1's, ...
+        (N = sum(n_new) tokens, no padding). Also returns their positions [1, N], to give the
+        model together with input ids of shape [1, N]."""
         starts = self.table.reserve(slots, n_new)
-        return CacheAttention(self, slots, starts, n_new), _positions(starts, max(n_new), self.device)
+        attn = CacheAttention(self, slots, starts, n_new)
+        return attn, attn.positions
+
+    def share_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` into the (empty) slots
+        ``dst``: the samples of a GRPO group share their prompt, whose k/v are computed once."""
+        if not dst:
+            return
+        for slot in dst:
+            if self.table.lengths[slot] != 0:
+                raise ValueError(f"slot {slot} is not empty ({self.table.lengths[slot]} cached positions)")
+        if length > self.table.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.table.lengths[src]} positions, not {length}")
+        idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for t in (self.k, self.v):
+            t[:, idx, :, :length] = t[:, src:src + 1, :, :length]
+        self.table.reserve(dst, [length] * len(dst))
 
 
-def _positions(starts: list[int], t: int, device) -> torch.Tensor:
-    return torch.tensor(starts, dtype=torch.int64, device=device)[:, None] + torch.arange(t, device=device)
+    def move(self, src: int, dst: int) -> None:
+        """Move the cached positions of allocated slot ``src`` into free slot ``dst`` and free
+        ``src``. The engine moves its highest slot into each freed lower one, so that running
+        requests keep consecutive slots and attention reads the cache as a view."""
+        n = self.table.lengths[src]
+        self.table.move(src, dst)  # validates both slots first
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 
 
 class CacheAttention:
     """Attention backend (``attn(layer_idx, q, k, v)``) for one forward over a batch of slots.
 
-    Row b holds ``n_new[b]`` real tokens (the rest of the T columns is padding) that go to
-    positions ``starts[b] ..``  of slot ``slots[b]``. Only real tokens are written to the cache,
-    and every row reads its own slot only, so padding and other rows cannot leak into a row."""
+    The model sees the packed tokens of every row as one sequence [1, N]; row b's ``n_new[b]``
+    tokens go to positions ``starts[b] ..`` of slot ``slots[b]``. Linears thus run on real
+    tokens only (a speculative batch mixes rows of 1 and of K+1 tokens). Attention unpacks q into
+    [B, T = max(n_new)], each row reading its own slot only, so neither padding nor other rows
+    can leak into a row; only real tokens are written to the cache."""
 
     def __init__(self, cache: KVCache, slots: list[int], starts: list[int], n_new: list[int]):
         dev = cache.device
@@ -119,20 +166,53 @@ class CacheAttention:
         self.slot_idx = torch.tensor(slots, dtype=torch.int64, device=dev)
         pos = _positions(starts, t, dev)
         valid = torch.arange(t, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
-        # Flat (row, column) and (slot, position) indices of the real tokens, built once and
-        # reused by every layer.
+        # (row, column) of each packed token, in packed (row-major) order, and the (slot,
+        # position) it is cached at; built once and reused by every layer.
         self.src_rows, self.src_cols = valid.nonzero(as_tuple=True)
         self.dst_slots = self.slot_idx[self.src_rows]
         self.dst_pos = pos[self.src_rows, self.src_cols]
+        self.positions = self.dst_pos[None]
+        self.dense = self.src_rows.numel() == b * t  # every row has t tokens: unpacking is a view
         # Causal over absolute positions: query at position p sees keys 0..p of its own slot.
         key_pos = torch.arange(self.n_keys, device=dev)
-        self.mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, n_keys]
+        self.masked = key_pos[None, None, :] > pos[:, :, None]  # [B, T, n_keys], True = hidden
         self.shape = (b, t)
+        # Rows of consecutive slots (the common case: slots are handed out lowest first) read
+        # the cache through a view; otherwise their slots are gathered once per layer.
+        self.slot_range = (slots[0], slots[0] + b) if slots == list(range(slots[0], slots[0] + b)) else None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] (packed). Returns [1, N, Hq, D]."""
         ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        ck[self.dst_slots, self.dst_pos] = k[self.src_rows, self.src_cols]
-        cv[self.dst_slots, self.dst_pos] = v[self.src_rows, self.src_cols]
-        keys = ck[self.slot_idx, : self.n_keys]  # [B, n_keys, Hkv, D]
-        values = cv[self.slot_idx, : self.n_keys]
-        return attention(q, keys, values, self.mask)
+        ck[self.dst_slots, :, self.dst_pos] = k[0]
+        cv[self.dst_slots, :, self.dst_pos] = v[0]
+        if self.slot_range is not None:
+            lo, hi = self.slot_range
+            keys, values = ck[lo:hi, :, : self.n_keys], cv[lo:hi, :, : self.n_keys]
+        else:
+            keys, values = ck[self.slot_idx, :, : self.n_keys], cv[self.slot_idx, :, : self.n_keys]
+        b, t = self.shape
+        if self.dense:
+            return grouped_attention(q.view(b, t, *q.shape[2:]), keys, values, self.masked).reshape(q.shape)
+        qp = q.new_zeros(b, t, *q.shape[2:])
+        qp[self.src_rows, self.src_cols] = q[0]
+        return grouped_attention(qp, keys, values, self.masked)[self.src_rows, self.src_cols][None]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Attention over cached keys, the math of ``megarl.models.llama.attention`` without its
+    copies: GQA by folding the query heads of one kv head into the query rows (instead of
+    repeating k/v), and k/v in the cache's head-major layout, read in place.
+
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] (any batch stride); masked: bool [B, T, S], True =
+    may not attend. Returns [B, T, Hq, D]."""
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    rep = hq // hkv  # query head h reads kv head h // rep (HF's repeat_kv)
+    qg = q.view(b, t, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d ** -0.5)  # [B, Hkv, rep*T, S]
+    scores = scores.view(b, hkv, rep, t, s).masked_fill(masked[:, None, None], float("-inf"))
+    sm_dtype = torch.promote_types(scores.dtype, torch.float32)
+    probs = torch.softmax(scores.to(sm_dtype), dim=-1).to(q.dtype).view(b, hkv, rep * t, s)
+    out = torch.matmul(probs, v)  # [B, Hkv, rep*T, D]
+    return out.view(b, hkv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)

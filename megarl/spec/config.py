@@ -25,13 +25,21 @@ class SpecConfig:
     k_max: int = 8
     """Longest draft length the adaptive policy grows to."""
     max_batch: int = 256
-    """Speculation is off in a decode step with more running requests than this: there the
-    verify forward over K+1 tokens per request costs more than the tokens it saves. The default
-    is measured for the tiny CPU model (see benchmarks/bench_verify_cost.py); measure yours."""
+    """Speculation is off in a decode step with more running requests than this (a hard limit on
+    top of ``forward_cost_tokens``, which already cuts drafts that do not pay in large batches)."""
     max_draft_tokens: int = 0
     """Most draft tokens in one forward, over all its requests (0 = no limit). A large batch
     gets short drafts and the tail of a step, where a few long requests run alone, gets up to
     k_max: verify cost grows with the tokens per forward once the device is busy."""
+    forward_cost_tokens: float = 80.0
+    """Fixed cost of one target forward (launches, host work, reading the weights), in units of
+    the cost of one more token row in it; 0 turns the cost rule off. A draft is cut to the
+    tokens that pay for their verify rows: token j stays only if the chance that the first j
+    are all accepted is at least B / (B + forward_cost_tokens), B = running requests (an
+    accepted token saves its row and a 1/B share of a forward). The chance comes from each
+    source's running acceptance rate. Measure it with benchmarks/bench_verify_cost.py (it prints
+    the fit): 80 for the tiny model on 2 CPU cores (2.0 ms per forward, 0.025 ms per token row);
+    decode on a GPU is memory-bound, so there it is far larger."""
     max_match: int = 16
     """Longest suffix of a request's recent tokens looked up in the suffix indexes."""
     min_match: int = 1
@@ -64,6 +72,8 @@ class SpecConfig:
                              f"k_min={self.k_min} k_init={self.k_init} k_max={self.k_max}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"spec.max_draft_tokens={self.max_draft_tokens} is invalid; valid range: >= 0 (0 = no limit)")
+        if self.forward_cost_tokens < 0:
+            raise ValueError(f"spec.forward_cost_tokens={self.forward_cost_tokens} is invalid; valid range: >= 0 (0 = off)")
         if self.max_batch < 1:
             raise ValueError(f"spec.max_batch={self.max_batch} is invalid; valid range: >= 1")
         if not 1 <= self.min_match <= self.max_match:

@@ -5,20 +5,29 @@ draft at all.
   longest suffix match, ties going to the source listed first in ``spec.sources``.
 - Draft length adapts per request within [k_min, k_max]: it doubles after a fully accepted
   draft and halves after an early rejection (fewer than half of the drafted tokens accepted).
-- Speculation is off in a step with more running requests than ``spec.max_batch``: a large
-  batch already keeps the device busy, and verifying K+1 tokens per request costs more than the
-  forwards it saves. Below it, ``spec.max_draft_tokens`` caps the draft tokens of one forward,
-  so drafts are short while the batch is large and long in the tail of the step.
+- A cost rule cuts each draft to the tokens that pay for their verify rows
+  (``spec.forward_cost_tokens``): with B requests running, an accepted token saves its own row
+  and a 1/B share of a forward, so a draft token is worth its row only while the chance that
+  the draft is accepted up to it stays above B / (B + forward_cost_tokens). The chance is the
+  running per-token acceptance rate of the draft's kind (coupled bubble drafts, or the suffix
+  matches of each source). Large batches thus draft only near-certain tokens; the tail of a
+  step, where a few long requests run alone and each forward is mostly fixed cost, drafts long.
+- Hard limits on top: speculation is off above ``spec.max_batch`` running requests, and
+  ``spec.max_draft_tokens`` caps the draft tokens of one forward.
 All of it runs on the host; nothing here can change a sampled token.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from megarl.spec.config import SpecConfig
 from megarl.spec.sources import SOURCE_CLASSES, BubbleSource, DraftSource, Proposal
 
 STAT_KEYS = ("forwards", "drafted", "accepted", "tokens")
+# Prior of the per-token acceptance rate, as (accepted, rejected) pseudo-counts: coupled drafts
+# are the request's own tokens until the policy moved; suffix-match drafts are guesses.
+_PRIOR = {True: (9.0, 1.0), False: (1.0, 1.0)}
 
 
 class Speculator:
@@ -26,7 +35,9 @@ class Speculator:
         self.cfg = cfg
         self.sources: list[DraftSource] = [SOURCE_CLASSES[name](cfg) for name in cfg.sources]
         self._k: dict[tuple[int, int], int] = {}
-        self._pending: dict[tuple[int, int], str] = {}  # request -> source of its draft in flight
+        self._pending: dict[tuple[int, int], tuple[str, bool]] = {}  # request -> (source, coupled) of its draft in flight
+        # Per-token acceptance counts per draft kind (source, coupled): [accepted, rejected].
+        self._accept: dict[tuple[str, bool], list[float]] = {}
         self.reset_stats()
 
     def source(self, name: str) -> DraftSource | None:
@@ -45,6 +56,9 @@ class Speculator:
     # ------------------------------------------------------------------ engine hooks
     def begin(self, requests, step: int) -> None:
         self._k, self._pending = {}, {}
+        for counts in self._accept.values():  # older steps' policies count half as much
+            counts[0] *= 0.5
+            counts[1] *= 0.5
         for s in self.sources:
             s.begin(requests, step)
 
@@ -54,24 +68,46 @@ class Speculator:
         if n_rows > self.cfg.max_batch:
             return [[] for _ in reqs]
         cap = self.cfg.max_draft_tokens // n_rows if self.cfg.max_draft_tokens else self.cfg.k_max
+        a = self.cfg.forward_cost_tokens
+        log_thr = math.log(n_rows / (n_rows + a)) if a > 0 else None
         drafts = []
         for req, toks, r in zip(reqs, tokens, room):
             key = (req.uid, req.sample_idx)
             k = min(self._k.setdefault(key, self.cfg.k_init), r, cap)
             best = self._best(req, toks, k) if k > 0 else None
-            if best is None:
+            if best is not None and log_thr is not None:
+                k = min(k, self._worth(best, log_thr))
+            if best is None or k == 0:
                 drafts.append([])
                 continue
-            self._pending[key] = best.source
+            self._pending[key] = (best.source, best.coupled)
             drafts.append(best.tokens[:k])
         return drafts
+
+    def accept_rate(self, source: str, coupled: bool) -> float:
+        """Running per-token acceptance rate of drafts of one kind (prior until measured)."""
+        acc, rej = self._accept.get((source, coupled), (0.0, 0.0))
+        pa, pr = _PRIOR[coupled]
+        return (acc + pa) / (acc + rej + pa + pr)
+
+    def _worth(self, p: Proposal, log_thr: float) -> int:
+        """Draft tokens of ``p`` whose chance of being reached (all before them accepted) is at
+        least the threshold: the largest j with rate**j >= thr."""
+        rate = self.accept_rate(p.source, p.coupled)
+        if rate >= 1.0:
+            return len(p.tokens)
+        return min(len(p.tokens), int(log_thr / math.log(rate)) if rate > 0 else 0)
 
     def feedback(self, req, new_tokens: list[int], n_drafted: int, n_accepted: int) -> None:
         """After a verify forward: ``new_tokens`` were appended to ``req``'s response; the target
         agreed with the first ``n_accepted`` of the ``n_drafted`` draft tokens."""
         key = (req.uid, req.sample_idx)
         if n_drafted:
-            st = self.stats[self._pending.pop(key)]
+            kind = self._pending.pop(key)
+            counts = self._accept.setdefault(kind, [0.0, 0.0])
+            counts[0] += n_accepted
+            counts[1] += n_accepted < n_drafted
+            st = self.stats[kind[0]]
             st["forwards"] += 1
             st["drafted"] += n_drafted
             st["accepted"] += min(n_accepted, len(new_tokens))
@@ -110,6 +146,8 @@ class Speculator:
                 tot[key] += st[key]
             out.update(_figures(st, f"spec/{name}/"))
         out.update(_figures(tot, "spec/"))
+        for (name, coupled), _ in sorted(self._accept.items()):
+            out[f"spec/{name}/{'coupled_' if coupled else ''}accept_rate"] = self.accept_rate(name, coupled)
         out["drafted_tokens"], out["accepted_tokens"] = tot["drafted"], tot["accepted"]
         return out
 

@@ -82,7 +82,8 @@ def test_cache_rolls_back_rejected_drafts():
 
 
 def test_adaptive_draft_length_and_batch_threshold():
-    cfg = SpecConfig(enabled=True, sources=("group",), k_init=2, k_min=1, k_max=8, max_batch=3)
+    cfg = SpecConfig(enabled=True, sources=("group",), k_init=2, k_min=1, k_max=8, max_batch=3,
+                     forward_cost_tokens=0)
     spec = Speculator(cfg)
     spec.sources = [Scripted(cfg, {(0, 0): list(range(5, 40))})]
     req = Request(0, 0, [3], SamplingParams())
@@ -104,12 +105,39 @@ def test_adaptive_draft_length_and_batch_threshold():
     assert spec.propose([req], [[]], [100], n_rows=4) == [[]]  # under one token per row: none
 
 
+def test_cost_rule_cuts_drafts_by_batch_size_and_acceptance():
+    cfg = SpecConfig(enabled=True, sources=("group",), k_init=8, k_max=8, forward_cost_tokens=64)
+    spec = Speculator(cfg)
+    source = Scripted(cfg, {(0, 0): list(range(5, 40))})
+    spec.sources = [source]
+    req = Request(0, 0, [3], SamplingParams())
+    spec.begin([req], 0)
+    # Prior acceptance rate of a suffix-match draft: 1/2. Token j stays while 0.5**j >= B / (B + 64).
+    assert spec.accept_rate("group", False) == 0.5
+    assert [len(spec.propose([req], [[]], [100], n_rows=b)[0]) for b in (1, 16, 64, 256)] == [6, 2, 1, 0]
+    for _ in range(20):  # every draft rejected at its first token: the rate falls, drafts shrink
+        spec.propose([req], [[]], [100], n_rows=1)
+        spec.feedback(req, [0], 6, 0)
+    assert spec.accept_rate("group", False) < 0.05
+    assert spec.propose([req], [[]], [100], n_rows=16) == [[]]
+    assert len(spec.propose([req], [[]], [100], n_rows=1)[0]) == 1  # alone, even 1 in 20 pays
+    # A coupled draft (a bubble draft at its own positions) starts from a prior rate of 0.9.
+    source.propose = lambda r, toks, k: Proposal(list(range(5, 5 + k)), "bubble", 17, coupled=True)
+    assert spec.accept_rate("bubble", True) == 0.9
+    other = Request(1, 0, [3], SamplingParams())  # starts at k_init (req's k was halved to 1)
+    assert len(spec.propose([other], [[]], [100], n_rows=256)[0]) == 2  # 0.9**2 >= 0.8 > 0.9**3
+    m = spec.metrics()
+    assert m["spec/group/accept_rate"] < 0.05
+
+
 def _tiny_task(n_prompts, temperature, top_p):
     cfg = load_config("configs/tiny.yaml", [
         f"task.num_prompts={n_prompts}", "task.max_terms=8", f"rollout.prompts_per_step={n_prompts}",
         "rollout.group_size=4", f"rollout.temperature={temperature}", f"rollout.top_p={top_p}",
         "rollout.max_new_tokens=24", "model.hidden_size=32", "model.intermediate_size=64",
-        "model.num_hidden_layers=2", "spec.enabled=true"])
+        "model.num_hidden_layers=2", "spec.enabled=true",
+        # no cost cut: every source must draft, however often it is rejected
+        "spec.forward_cost_tokens=0"])
     return cfg, prepare_inputs(cfg)
 
 
