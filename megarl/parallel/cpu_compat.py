@@ -243,11 +243,37 @@ def _patch_moe_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_tied_embedding_copy() -> None:
+    """With tied embeddings and PP > 1 the last stage keeps a copy of the word embeddings, which
+    ``LanguageModule.setup_embeddings_and_output_layer`` moves with ``weight.data.cuda()`` before
+    all-reducing it with the first stage's; ``Tensor.cuda`` raises on a CUDA-less torch (and is a
+    tensor method, out of the torch proxy's reach). Run that method with ``Tensor.cuda`` as the
+    identity: on CPU the weight already is on the compute device."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(setup, "_megarl_cpu", False):
+        return
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        real_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = real_cuda
+
+    setup_embeddings_and_output_layer._megarl_cpu = True
+    setup_embeddings_and_output_layer.__doc__ = setup.__doc__
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
     _patch_clip_grads,
     _patch_moe_te_names,
+    _patch_tied_embedding_copy,
 ]
 
 

@@ -3,14 +3,21 @@
 The TransformerConfig mirrors the HF architecture exactly (RMSNorm, SwiGLU, no linear biases
 except the optional qkv bias, GQA, RoPE with ``rope_theta``, no dropout), so that with weights
 loaded through :mod:`megarl.models.mcore_mapping` its logits equal megarl's ``CausalLM``.
+
+With TP/PP > 1 each rank builds its own stage and TP piece (layout: :mod:`megarl.models.mcore_sharding`);
+:func:`load_hf_state` loads this rank's piece of HF weights, :func:`gpt_logits` gathers the
+vocab-parallel logits over the TP group, and :func:`pipeline_logits` runs a forward-only pass
+through the pipeline stages (the training schedules are the trainer's).
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
 from megarl.parallel.dist import ParallelDims
 
@@ -82,14 +89,14 @@ def seed_megatron(seed: int, dims: ParallelDims) -> None:
 
 
 def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Megatron ``GPTModel`` with the local (non-TE) layer spec, on CPU, vocab not padded.
-    Megatron's own init, seeded by ``seed``, gives the initial weights."""
+    """Megatron ``GPTModel`` of this rank with the local (non-TE) layer spec: the pipeline stage
+    ``dims.pp_rank`` (embedding on the first stage, final norm and output layer on the last) and
+    the TP piece ``dims.tp_rank``, the vocab padded to ``mcore_sharding.padded_vocab`` (not padded
+    at TP=1). Megatron's own init, seeded by ``seed``, gives the initial weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if dims.tp != 1 or dims.pp != 1:
-        raise ValueError(f"tensor/pipeline parallel size {dims.tp}/{dims.pp} is not supported yet: the trainer "
-                         f"runs with TP=1 and PP=1 (TP/PP trainers are issue 4)")
+    mcore_sharding.check_parallel(args, dims.tp, dims.pp)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
     # spec everywhere so that CPU and GPU runs share one module tree (and one name mapping).
@@ -100,12 +107,12 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
-        vocab_size=args.vocab_size,
+        vocab_size=mcore_sharding.padded_vocab(args.vocab_size, dims.tp),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=dims.pp_rank == 0,
+        post_process=dims.pp_rank == dims.pp - 1,
         fp16_lm_cross_entropy=False,
-        parallel_output=True,
+        parallel_output=True,  # vocab-parallel logits; gpt_logits gathers them over dims.tp_group
         share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
@@ -124,18 +131,101 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     return model
 
 
+def load_state(model, local_sd: dict[str, torch.Tensor]) -> None:
+    """Load this rank's local Megatron state dict (``mcore_sharding.shard_rank``) into ``model``:
+    every tensor must match (``_extra_state`` entries excepted)."""
+    missing, unexpected = model.load_state_dict(local_sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise KeyError(f"Megatron model state mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: ParallelDims) -> None:
+    """Load this rank's piece of full HF-named weights into its stage/TP piece ``model``."""
+    full = mcore_mapping.hf_to_mcore(hf_sd, args)
+    load_state(model, mcore_sharding.shard_rank(full, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank))
+
+
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     """Megatron's boolean attention mask (True = masked out), shape [1, 1, T, T]. Passed
     explicitly: without it the local spec builds its default causal mask on ``device="cuda"``."""
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
-def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, V] of a (possibly DDP-wrapped) GPTModel on right-padded ``input_ids`` [B, T].
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocab-parallel logits [..., V/tp] over ``group`` and keep the first ``vocab``
+    entries. Backward: this rank's slice of the gradient, the padding's gradient dropped; like
+    Megatron's ``gather_from_tensor_model_parallel_region`` it assumes every TP rank computes the
+    same loss from the gathered logits. (Megatron's version allocates on the CUDA device.)"""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, vocab: int) -> torch.Tensor:
+        ctx.rank, ctx.width, ctx.vocab = dist.get_rank(group), local.shape[-1], vocab
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)[..., :vocab]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lo = ctx.rank * ctx.width
+        hi = min(lo + ctx.width, ctx.vocab)
+        out = grad.new_zeros(*grad.shape[:-1], ctx.width)
+        if hi > lo:
+            out[..., :hi - lo] = grad[..., lo:hi]
+        return out, None, None
+
+
+def gather_logits(local_logits: torch.Tensor, tp_group, vocab_size: int) -> torch.Tensor:
+    """Full-vocab logits [..., vocab_size] from this rank's vocab-parallel piece [..., Vp/tp]:
+    gathered over ``tp_group`` (differentiable), the vocab padding stripped."""
+    if dist.get_world_size(tp_group) == 1:
+        return local_logits[..., :vocab_size]
+    return _GatherVocab.apply(local_logits, tp_group, vocab_size)
+
+
+def _positions_and_mask(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, t = input_ids.shape
+    return torch.arange(t, device=input_ids.device).expand(b, t), causal_mask(t, input_ids.device)
+
+
+def gpt_logits(model, input_ids: torch.Tensor, dims: ParallelDims | None = None,
+               vocab_size: int | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of a (possibly DDP-wrapped) single-stage GPTModel on right-padded
+    ``input_ids`` [B, T]. With TP > 1 pass ``dims`` and the true ``vocab_size``: the vocab-parallel
+    logits are gathered over ``dims.tp_group`` and the padding stripped (differentiably).
 
     Right padding needs no padding mask: causal attention never lets a real token see the pads
     after it."""
+    if dims is not None and dims.pp > 1:
+        raise ValueError(f"gpt_logits runs one stage holding the whole model; with pp={dims.pp} "
+                         f"use pipeline_logits (forward only)")
     input_ids = input_ids.to(next(model.parameters()).device)
+    logits = model(input_ids, *_positions_and_mask(input_ids))
+    if dims is None or dims.tp == 1:
+        return logits if vocab_size is None else logits[..., :vocab_size]
+    if vocab_size is None:
+        raise ValueError(f"gpt_logits with tp={dims.tp} needs vocab_size to strip the vocab padding")
+    return gather_logits(logits, dims.tp_group, vocab_size)
+
+
+@torch.no_grad()
+def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_size: int) -> torch.Tensor | None:
+    """Forward-only pass through the pipeline: every stage of ``dims.pp_group`` calls this with the
+    same ``input_ids`` [B, T]. A stage other than the first receives the hidden states [T, B, h]
+    from the previous stage (``set_input_tensor``), runs its layers and sends its output to the
+    next stage; the last stage returns the full-vocab logits [B, T, vocab_size] (gathered over TP),
+    the others return None."""
+    gpt = getattr(model, "module", model)
+    device, dtype = next(gpt.parameters()).device, next(gpt.parameters()).dtype
+    input_ids = input_ids.to(device)
     b, t = input_ids.shape
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
-    return model(input_ids, positions, causal_mask(t, input_ids.device))
+    first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
+    if not first:
+        hidden = torch.empty(t, b, gpt.config.hidden_size, dtype=dtype, device=device)
+        dist.recv(hidden, group=dims.pp_group, group_src=dims.pp_rank - 1)
+        gpt.set_input_tensor(hidden)
+    out = model(input_ids, *_positions_and_mask(input_ids))
+    if not last:
+        dist.send(out.contiguous(), group=dims.pp_group, group_dst=dims.pp_rank + 1)
+        return None
+    return gather_logits(out, dims.tp_group, vocab_size)

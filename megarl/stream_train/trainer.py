@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
 from megarl.parallel.dist import ParallelDims
-from megarl.stream_train.model import build_gpt_model, gpt_logits, parse_dtype
+from megarl.stream_train.model import build_gpt_model, gpt_logits, load_hf_state, load_state, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ class Trainer:
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
+        if dims.tp != 1 or dims.pp != 1:
+            raise ValueError(f"tensor/pipeline parallel size {dims.tp}/{dims.pp} is not supported yet: the trainer "
+                             f"runs with TP=1 and PP=1 (TP/PP training steps are issue 4)")
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
         if self.dtype == torch.float64 and dims.device.type == "cuda":
@@ -111,7 +114,7 @@ class Trainer:
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
         model = build_gpt_model(args, dims, self.dtype, seed=seed)
         if hf_state is not None:
-            self._load_model(mcore_mapping.hf_to_mcore(hf_state, args), model)
+            load_hf_state(model, hf_state, args, dims)
         mcfg = model.config
         # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised by
         # the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
@@ -165,13 +168,6 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
-
-    @staticmethod
-    def _load_model(mcore_sd: dict[str, torch.Tensor], model) -> None:
-        missing, unexpected = model.load_state_dict(mcore_sd, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise KeyError(f"Megatron model state mismatch: missing {missing}, unexpected {unexpected}")
 
     def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logprob [b, T-1] of token t+1 given tokens <= t, in the model dtype (at least fp32).
@@ -274,7 +270,7 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next ``train_step`` continues the saved run bitwise."""
-        self._load_model(sd["model"], self.gpt)
+        load_state(self.gpt, sd["model"])
         self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
         self.lr = float(sd.get("lr", self.cfg.lr))  # the lr in effect when saved
         self._apply_lr_and_wd()  # weight decay: this run's config

@@ -77,7 +77,8 @@ WORKER = textwrap.dedent("""
     x = torch.tensor([float(rank + 1)])
     if g.tp_group is not None:
         dist.all_reduce(x, group=g.tp_group)
-    print(f"rank {rank} group {g.group_index} sum {x.item()}", flush=True)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as f:  # stdout of ranks interleaves
+        f.write(f"rank {rank} group {g.group_index} sum {x.item()}")
     dist.destroy_process_group()
 """)
 
@@ -87,8 +88,8 @@ def test_rollout_groups_created_on_every_rank(tmp_path):
     script.write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-                           str(script)], env=env, capture_output=True, text=True, timeout=120)
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("rank "))
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)]
     # rank 0 trains only (no rollout group); ranks 1 and 2 form one TP group: 2 + 3 = 5
     assert lines == ["rank 0 group -1 sum 1.0", "rank 1 group 0 sum 5.0", "rank 2 group 0 sum 5.0"]

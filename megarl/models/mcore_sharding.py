@@ -1,0 +1,270 @@
+"""Full Megatron-core GPTModel state dict <-> the local state dicts of every TP x PP rank.
+
+The full dict is :func:`megarl.models.mcore_mapping.hf_to_mcore`'s output (TP=1, PP=1 names and
+shapes). :func:`shard` cuts it into exactly what Megatron-core 0.16.1's ``GPTModel`` (local layer
+spec, as built by ``megarl.stream_train.model.build_gpt_model``) holds on rank ``(tp_rank,
+pp_rank)``; :func:`merge` puts the pieces back. Pure tensor code: no torch.distributed.
+
+Tensor parallel layout (``t = tp``, rank ``k`` holds the ``k``-th of ``t`` equal pieces):
+
+=====================================================  ========  ==========================================
+tensor                                                 Megatron  rank ``k`` holds
+=====================================================  ========  ==========================================
+``embedding.word_embeddings.weight`` [V, h]            vocab     rows ``k*Vp/t .. (k+1)*Vp/t`` of the vocab
+                                                                 padded with zero rows to ``Vp``
+``output_layer.weight`` [V, h]                         column    same as the embedding
+``self_attention.linear_qkv.weight`` [(q+2kv)*d, h]    column    rows of KV-head groups ``k*kv/t ..``: whole
+(and ``.bias``)                                                  groups ``[q heads of g; k_g; v_g]``
+``self_attention.linear_proj.weight`` [h, q*d]         row       columns of query heads ``k*q/t ..``
+``mlp.linear_fc1.weight`` [2*ff, h] = [gate; up]       column    ``[gate rows k; up rows k]`` (gate and up
+                                                                 split separately, then concatenated)
+``mlp.linear_fc2.weight`` [h, ff]                      row       columns ``k*ff/t .. (k+1)*ff/t``
+``*layernorm.weight`` [h]                              --        replicated (a full copy on every rank)
+=====================================================  ========  ==========================================
+
+Why these cuts: a column-parallel linear computes output features ``rows(k)`` of its weight on
+rank ``k`` and the next row-parallel linear consumes exactly those features as its input columns
+``cols(k)``. Megatron's attention reads its local qkv rows as ``kv/t`` complete groups (it splits
+each group into its query heads, key, value), so qkv must be cut at group boundaries, and the
+query heads of those groups are the input columns of the local ``linear_proj``. Megatron's
+swiglu ``chunk(2)``s the local fc1 output into ``silu(gate) * up``, so each rank needs its own
+halves of gate and up stacked: a plain row cut of ``[gate; up]`` would give rank 0 only gate.
+
+Vocab padding: ``VocabParallelEmbedding`` and the output ``ColumnParallelLinear`` split the vocab
+into equal pieces, so with TP > 1 the vocab is padded to :func:`padded_vocab` (a multiple of
+``vocab_multiple * tp``, Megatron's ``make_vocab_size_divisible_by`` convention) with zero rows.
+Padded ids are never fed and their logits are stripped after the TP gather, so the padding rows'
+values never matter; :func:`merge` drops them. With TP=1 nothing is padded: megarl's TP=1 model
+(and its checkpoints) always had the exact vocab.
+
+Pipeline layout (``p = pp`` stages, ``n = num_hidden_layers``, ``p`` divides ``n``): stage ``s``
+holds layers ``s*n/p .. (s+1)*n/p - 1`` renumbered from 0 (``decoder.layers.<local>``: the
+TransformerBlock's ``ModuleList`` index; only each layer's ``layer_number`` attribute is global).
+``embedding.word_embeddings.weight`` is on stage 0 only; ``decoder.final_layernorm.weight`` and
+``output_layer.weight`` on the last stage only. With tied embeddings and PP > 1 the last stage's
+output layer allocates its own weight (``skip_weight_param_allocation`` is only set where the
+embedding lives), so Megatron keeps a copy of the (padded, vocab-parallel) word embeddings on the
+last stage under the key ``output_layer.weight``; stage 0 and the last stage keep the two copies
+equal (Megatron all-reduces the copy from stage 0 at init, then their gradients every step).
+:func:`merge` checks that the two copies, and each replicated tensor across TP ranks, are
+bitwise equal: a difference means the pieces do not come from one model.
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.models import mcore_mapping
+from megarl.models.config import ModelArgs
+
+Rank = tuple[int, int]  # (tp_rank, pp_rank)
+
+_EMB = "embedding.word_embeddings.weight"
+_OUT = "output_layer.weight"
+_FINAL_NORM = "decoder.final_layernorm.weight"
+
+# Kind of each per-layer tensor (name after ``decoder.layers.<i>.``).
+_LAYER_KINDS = {
+    "input_layernorm.weight": "replicated",
+    "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv",
+    "self_attention.linear_proj.weight": "row",
+    "pre_mlp_layernorm.weight": "replicated",
+    "mlp.linear_fc1.weight": "fc1",
+    "mlp.linear_fc2.weight": "row",
+}
+
+
+def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = 128) -> int:
+    """Vocab rows of the TP-sharded embedding / output layer: ``vocab_size`` rounded up to a
+    multiple of ``vocab_multiple * tp`` when ``tp > 1``, ``vocab_size`` itself when ``tp == 1``."""
+    if tp < 1 or vocab_multiple < 1:
+        raise ValueError(f"tp={tp} and vocab_multiple={vocab_multiple} must be >= 1")
+    if tp == 1:
+        return vocab_size
+    multiple = vocab_multiple * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_parallel(args: ModelArgs, tp: int, pp: int) -> None:
+    """Raise ``ValueError`` unless ``args``'s model can be cut into ``tp`` x ``pp`` pieces."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
+
+    def divisors(*ns: int) -> list[int]:
+        return [x for x in range(1, min(ns) + 1) if all(n % x == 0 for n in ns)]
+
+    tp_fields = {"num_attention_heads": args.num_attention_heads,
+                 "num_key_value_heads": args.num_key_value_heads,
+                 "intermediate_size": args.intermediate_size}
+    for field, n in tp_fields.items():
+        if n % tp:
+            raise ValueError(f"tensor parallel size tp={tp} does not divide {field}={n}; valid tp "
+                             f"(dividing {', '.join(tp_fields)}): {divisors(*tp_fields.values())}")
+    if args.num_hidden_layers % pp:
+        raise ValueError(f"pipeline parallel size pp={pp} does not divide num_hidden_layers="
+                         f"{args.num_hidden_layers}; valid pp: {divisors(args.num_hidden_layers)}")
+
+
+def stage_layers(args: ModelArgs, pp: int, pp_rank: int) -> range:
+    """Global indices of the decoder layers on pipeline stage ``pp_rank`` (Megatron's even split)."""
+    per = args.num_hidden_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def local_shapes(args: ModelArgs, tp: int, pp: int, tp_rank: int, pp_rank: int,
+                 vocab_multiple: int = 128) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of rank ``(tp_rank, pp_rank)``'s GPTModel with its local shape."""
+    check_parallel(args, tp, pp)
+    full = mcore_mapping.mcore_shapes(args)
+    shapes: dict[str, tuple[int, ...]] = {}
+    vocab_rows = (padded_vocab(args.vocab_size, tp, vocab_multiple) // tp, args.hidden_size)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        shapes[_EMB] = vocab_rows
+    if last:
+        shapes[_FINAL_NORM] = full[_FINAL_NORM]
+        if not args.tie_word_embeddings or not first:  # tied + PP > 1: the last stage's copy
+            shapes[_OUT] = vocab_rows
+    for local, i in enumerate(stage_layers(args, pp, pp_rank)):
+        for name, kind in _LAYER_KINDS.items():
+            shape = full.get(f"decoder.layers.{i}.{name}")
+            if shape is None:  # qkv bias of a model without one
+                continue
+            if kind in ("qkv", "fc1"):
+                shape = (shape[0] // tp, *shape[1:])
+            elif kind == "row":
+                shape = (shape[0], shape[1] // tp)
+            shapes[f"decoder.layers.{local}.{name}"] = shape
+    return shapes
+
+
+def _check(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """ValueError naming missing, unexpected or misshaped tensors (``_extra_state`` ignored)."""
+    keys = {k for k in sd if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match the model config: missing {missing[:8]}"
+                         f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{'...' if len(unexpected) > 8 else ''}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise ValueError(f"{what}: tensor {k} has shape {tuple(sd[k].shape)}, expected {shape}")
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    if w.shape[0] == rows:
+        return w
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+def _cut(w: torch.Tensor, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s piece of a full per-layer tensor of ``kind`` (see the module table)."""
+    if kind == "replicated" or tp == 1:
+        return w
+    if kind == "qkv":  # rows are whole KV-head groups in order, so equal row pieces = whole groups
+        return w.chunk(tp, dim=0)[tp_rank]
+    if kind == "row":
+        return w.chunk(tp, dim=1)[tp_rank].contiguous()
+    gate, up = w.chunk(2, dim=0)  # fc1
+    return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+
+
+def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Inverse of :func:`_cut` over all TP ranks' pieces (in rank order)."""
+    if kind == "replicated" or len(pieces) == 1:
+        return pieces[0]
+    if kind == "qkv":
+        return torch.cat(pieces, dim=0)
+    if kind == "row":
+        return torch.cat(pieces, dim=1)
+    halves = [p.chunk(2, dim=0) for p in pieces]  # fc1: [gate_k; up_k] per rank
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+
+
+def shard_rank(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: int, tp_rank: int,
+               pp_rank: int, vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
+    """Local state dict of rank ``(tp_rank, pp_rank)`` from the full mcore dict (what each rank
+    loads). Row pieces may be views of ``full_sd``'s tensors: clone before changing them in place."""
+    check_parallel(args, tp, pp)
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp={tp} x pp={pp}")
+    _check(full_sd, mcore_mapping.mcore_shapes(args), "full Megatron-core state dict")
+    vocab = padded_vocab(args.vocab_size, tp, vocab_multiple)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out[_EMB] = _pad_rows(full_sd[_EMB], vocab).chunk(tp, dim=0)[tp_rank]
+    if last:
+        out[_FINAL_NORM] = full_sd[_FINAL_NORM]
+        if not args.tie_word_embeddings:
+            out[_OUT] = _pad_rows(full_sd[_OUT], vocab).chunk(tp, dim=0)[tp_rank]
+        elif not first:  # Megatron's last-stage copy of the tied embeddings
+            out[_OUT] = _pad_rows(full_sd[_EMB], vocab).chunk(tp, dim=0)[tp_rank]
+    for local, i in enumerate(stage_layers(args, pp, pp_rank)):
+        for name, kind in _LAYER_KINDS.items():
+            w = full_sd.get(f"decoder.layers.{i}.{name}")
+            if w is not None:
+                out[f"decoder.layers.{local}.{name}"] = _cut(w, kind, tp, tp_rank)
+    return out
+
+
+def shard(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: int,
+          vocab_multiple: int = 128) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Local state dicts of every rank, keyed ``(tp_rank, pp_rank)`` (see :func:`shard_rank`)."""
+    return {(t, p): shard_rank(full_sd, args, tp, pp, t, p, vocab_multiple)
+            for p in range(pp) for t in range(tp)}
+
+
+def merge(local_sds: dict[Rank, dict[str, torch.Tensor]], args: ModelArgs, tp: int, pp: int,
+          vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
+    """Full mcore state dict from every rank's local dict (``_extra_state`` entries ignored), the
+    vocab padding stripped. ``merge(shard(sd, ...), ...)`` is bitwise ``sd``."""
+    check_parallel(args, tp, pp)
+    ranks = {(t, p) for p in range(pp) for t in range(tp)}
+    if set(local_sds) != ranks:
+        raise ValueError(f"merge needs the local state dicts of ranks (tp_rank, pp_rank) "
+                         f"{sorted(ranks)}; got {sorted(local_sds)}")
+    for (t, p), sd in local_sds.items():
+        _check(sd, local_shapes(args, tp, pp, t, p, vocab_multiple), f"local state dict of rank "
+               f"(tp_rank={t}, pp_rank={p})")
+
+    def vocab_rows(pp_rank: int, key: str) -> torch.Tensor:
+        rows = torch.cat([local_sds[(t, pp_rank)][key] for t in range(tp)])
+        # Clone a padded result: a view would keep (and torch.save would write) the padding.
+        return rows if rows.shape[0] == args.vocab_size else rows[:args.vocab_size].clone()
+
+    last = pp - 1
+    out: dict[str, torch.Tensor] = {_EMB: vocab_rows(0, _EMB)}
+    if not args.tie_word_embeddings:
+        out[_OUT] = vocab_rows(last, _OUT)
+    elif pp > 1:
+        # The two copies of tied embeddings stay equal in training (their gradients are
+        # all-reduced); a difference means the pieces are not from one model.
+        copy = torch.cat([local_sds[(t, last)][_OUT] for t in range(tp)])
+        first = torch.cat([local_sds[(t, 0)][_EMB] for t in range(tp)])
+        if not torch.equal(copy, first):
+            raise ValueError(f"tied embeddings: the last stage's copy ({_OUT} of pp_rank={last}) "
+                             f"differs from {_EMB} of pp_rank=0")
+    out[_FINAL_NORM] = _replicated(local_sds, last, _FINAL_NORM, tp)
+    for p in range(pp):
+        for local, i in enumerate(stage_layers(args, pp, p)):
+            for name, kind in _LAYER_KINDS.items():
+                key = f"decoder.layers.{local}.{name}"
+                if key not in local_sds[(0, p)]:
+                    continue
+                if kind == "replicated":
+                    w = _replicated(local_sds, p, key, tp)
+                else:
+                    w = _join([local_sds[(t, p)][key] for t in range(tp)], kind)
+                out[f"decoder.layers.{i}.{name}"] = w
+    return out
+
+
+def _replicated(local_sds: dict[Rank, dict[str, torch.Tensor]], pp_rank: int, key: str, tp: int) -> torch.Tensor:
+    """A replicated tensor's value, checked equal on every TP rank of stage ``pp_rank``."""
+    w = local_sds[(0, pp_rank)][key]
+    for t in range(1, tp):
+        if not torch.equal(local_sds[(t, pp_rank)][key], w):
+            raise ValueError(f"replicated tensor {key} of pp_rank={pp_rank} differs between "
+                             f"tp_rank=0 and tp_rank={t}")
+    return w

@@ -1,0 +1,97 @@
+"""Worker for test_sharding.py, run under torchrun on 4 processes with argv = (out_dir,).
+
+One launch covers every layout of ``LAYOUTS`` (TP2 x DP2, PP2 x DP2, TP2 x PP2): starting
+processes and importing Megatron costs far more than the tiny models. For each layout and each
+of ``CASES`` every rank builds its GPTModel stage/TP piece in fp64, records its initial state,
+loads its shard of the seeded reference weights, runs the forward (``gpt_logits`` for PP=1, with
+the parameter gradients of a loss on the gathered logits; ``pipeline_logits`` for PP>1) and saves
+it all to ``out_dir/rank<r>.pt``. The test asserts."""
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+if __package__:  # imported by test_sharding.py (pytest): its package siblings
+    from .conftest import tiny_args
+    from .test_model import reference
+else:  # run by torchrun as a script
+    warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import tiny_args
+    from test_model import reference
+
+from megarl.models import mcore_mapping as mm
+from megarl.models import mcore_sharding as ms
+from megarl.parallel.dist import init_parallel, teardown
+from megarl.stream_train.model import (
+    build_gpt_model,
+    gpt_logits,
+    load_state,
+    pipeline_logits,
+)
+
+# (model_type, tie): Qwen2 has a qkv bias, Llama none; tied embeddings need the last-stage copy.
+CASES = [("qwen2", False), ("llama", True)]
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
+LAYERS = 4  # PP=2: global layers 2, 3 become decoder.layers.0, 1 of the last stage
+VOCAB = 200  # > 128: with TP=2 (padded to 256) both vocab pieces hold real rows, not just padding
+
+
+def case_args(model_type: str, tie: bool):
+    return tiny_args(model_type, tie=tie, num_hidden_layers=LAYERS, vocab_size=VOCAB)
+
+
+def case_inputs(args) -> torch.Tensor:
+    return torch.randint(0, args.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
+
+
+def no_extra(sd):
+    return {k: v.detach().clone() for k, v in sd.items() if not k.endswith("_extra_state")}
+
+
+def logits_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A loss that mixes the whole vocab (like a log-softmax), for gradient checks."""
+    return logits.logsumexp(-1).sum() + 0.1 * (logits ** 2).sum()
+
+
+def grads_of_gathered(model, ids, dims, args) -> dict:
+    """Parameter gradients of ``logits_loss`` on the TP-gathered logits (state-dict names)."""
+    model.zero_grad()
+    logits_loss(gpt_logits(model, ids, dims, args.vocab_size)).backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def run_layout(tp: int, pp: int) -> dict:
+    dims = init_parallel(tp=tp, pp=pp)
+    result = {"tp_rank": dims.tp_rank, "pp_rank": dims.pp_rank, "dp_rank": dims.dp_rank, "cases": {}}
+    for model_type, tie in CASES:
+        args = case_args(model_type, tie)
+        model = build_gpt_model(args, dims, torch.float64, seed=0)
+        init = no_extra(model.state_dict())
+        full = mm.hf_to_mcore(reference(args, seed=3, dtype=torch.float64).hf_state_dict(), args)
+        load_state(model, ms.shard_rank(full, args, tp, pp, dims.tp_rank, dims.pp_rank))
+        ids = case_inputs(args)
+        with torch.no_grad():
+            logits = (gpt_logits(model, ids, dims, args.vocab_size) if pp == 1
+                      else pipeline_logits(model, ids, dims, args.vocab_size))
+        result["cases"][(model_type, tie)] = {
+            "init": init, "loaded": no_extra(model.state_dict()),
+            "logits": None if logits is None else logits.detach().clone(),
+            "grads": grads_of_gathered(model, ids, dims, args) if pp == 1 else None,
+        }
+    # Keep the process group for the next layout; only Megatron's parallel state is rebuilt.
+    teardown(dataclasses.replace(dims, owns_process_group=False))
+    return result
+
+
+def main(out_dir: str) -> None:
+    results = {layout: run_layout(*layout) for layout in LAYOUTS}
+    rank = torch.distributed.get_rank()
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
