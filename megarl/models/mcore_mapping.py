@@ -95,13 +95,21 @@ def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], side: str) -> None:
-    """Raise naming the first tensors that are missing, unexpected or misshaped."""
+class StateDictMismatch(KeyError, ValueError):
+    """Missing or unexpected tensors (a KeyError for lookups, a ValueError for bad input)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], side: str) -> None:
+    """Raise naming the first tensors that are missing, unexpected or misshaped
+    (``_extra_state`` entries ignored)."""
     keys = {k for k in sd if not k.endswith(_EXTRA_STATE)}
     missing = sorted(set(expected) - keys)
     unexpected = sorted(keys - set(expected))
     if missing or unexpected:
-        raise KeyError(f"{side} state dict does not match the model config: "
+        raise StateDictMismatch(f"{side} state dict does not match the model config: "
                        f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                        f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
     for k, shape in expected.items():
@@ -138,7 +146,7 @@ def hf_to_mcore(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
         emb = hf_sd.get("model.embed_tokens.weight")
         if emb is None or not torch.equal(lm, emb):
             raise ValueError("tied model: lm_head.weight is present and differs from model.embed_tokens.weight")
-    _check(hf_sd, hf_shapes(args), "HF")
+    check_state_dict(hf_sd, hf_shapes(args), "HF")
     out = {mc: hf_sd[name] for name, mc in _global_renames(args).items()}
     for i in range(args.num_hidden_layers):
         renames, qkv, fc1 = _layer_names(args, i)
@@ -155,7 +163,7 @@ def hf_to_mcore(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
 def mcore_to_hf(mcore_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Megatron-core GPTModel state dict -> HF-named tensors (``_extra_state`` ignored). Outputs may
     be views of the inputs; callers that keep them while training clone first."""
-    _check(mcore_sd, mcore_shapes(args), "Megatron-core")
+    check_state_dict(mcore_sd, mcore_shapes(args), "Megatron-core")
     out = {name: mcore_sd[mc] for name, mc in _global_renames(args).items()}
     for i in range(args.num_hidden_layers):
         renames, qkv, fc1 = _layer_names(args, i)

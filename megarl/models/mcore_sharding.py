@@ -138,19 +138,6 @@ def local_shapes(args: ModelArgs, tp: int, pp: int, tp_rank: int, pp_rank: int,
     return shapes
 
 
-def _check(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str) -> None:
-    """ValueError naming missing, unexpected or misshaped tensors (``_extra_state`` ignored)."""
-    keys = {k for k in sd if not k.endswith("_extra_state")}
-    missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{what} does not match the model config: missing {missing[:8]}"
-                         f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{'...' if len(unexpected) > 8 else ''}")
-    for k, shape in expected.items():
-        if tuple(sd[k].shape) != shape:
-            raise ValueError(f"{what}: tensor {k} has shape {tuple(sd[k].shape)}, expected {shape}")
-
-
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     if w.shape[0] == rows:
         return w
@@ -188,7 +175,7 @@ def shard_rank(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: i
     check_parallel(args, tp, pp)
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp={tp} x pp={pp}")
-    _check(full_sd, mcore_mapping.mcore_shapes(args), "full Megatron-core state dict")
+    mcore_mapping.check_state_dict(full_sd, mcore_mapping.mcore_shapes(args), "full Megatron-core")
     vocab = padded_vocab(args.vocab_size, tp, vocab_multiple)
     first, last = pp_rank == 0, pp_rank == pp - 1
     out: dict[str, torch.Tensor] = {}
@@ -225,8 +212,8 @@ def merge(local_sds: dict[Rank, dict[str, torch.Tensor]], args: ModelArgs, tp: i
         raise ValueError(f"merge needs the local state dicts of ranks (tp_rank, pp_rank) "
                          f"{sorted(ranks)}; got {sorted(local_sds)}")
     for (t, p), sd in local_sds.items():
-        _check(sd, local_shapes(args, tp, pp, t, p, vocab_multiple), f"local state dict of rank "
-               f"(tp_rank={t}, pp_rank={p})")
+        mcore_mapping.check_state_dict(sd, local_shapes(args, tp, pp, t, p, vocab_multiple), f"rank "
+               f"(tp_rank={t}, pp_rank={p}) local")
 
     def vocab_rows(pp_rank: int, key: str) -> torch.Tensor:
         rows = torch.cat([local_sds[(t, pp_rank)][key] for t in range(tp)])

@@ -1,7 +1,4 @@
 """Data parallelism over gloo: DP=2 (half the batch each) gives the DP=1 weights, in fp64."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +6,7 @@ import torch
 
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 
+from .launch import torchrun
 from .test_trainer import cpu_fp64_trainer, make_batch, nll_loss
 
 
@@ -16,17 +14,7 @@ from .test_trainer import cpu_fp64_trainer, make_batch, nll_loss
 @cpu_fp64_trainer
 def test_dp2_matches_dp1(dims, make_args, tmp_path):
     out = tmp_path / "dp2.pt"
-    # gloo on CPU even on a GPU machine: two ranks cannot share one GPU over NCCL.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH")]))}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(__file__).parent / "dp_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(Path(__file__).parent / "dp_worker.py", 2, str(out))
     dp2 = torch.load(out)
 
     args = make_args("qwen2")

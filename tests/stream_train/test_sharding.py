@@ -2,9 +2,6 @@
 GPTModel: bitwise round trips, the layout of each piece, loud errors, and on 4 gloo processes
 (TP2, PP2, TP2xPP2) the real Megatron state dicts and logits against the TP=1 PP=1 model."""
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from megarl.stream_train.model import build_gpt_model, gpt_logits, load_state
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 
 from .conftest import tiny_args
+from .launch import torchrun
 from .shard_worker import CASES, LAYOUTS, case_args, case_inputs, logits_loss
 from .test_model import reference
 
@@ -183,17 +181,7 @@ def test_trainer_refuses_tp_pp(dims, make_args):
 def sharded_runs(tmp_path_factory):
     """Per layout, the 4 ranks' results of shard_worker.py (one torchrun launch for all layouts)."""
     out = tmp_path_factory.mktemp("sharded")
-    # gloo on CPU even on a GPU machine: four ranks cannot share one GPU over NCCL.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH")]))}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-         str(Path(__file__).parent / "shard_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(Path(__file__).parent / "shard_worker.py", 4, str(out))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(4)]
     return {layout: [r[layout] for r in ranks] for layout in LAYOUTS}
 
