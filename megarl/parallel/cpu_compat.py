@@ -51,6 +51,10 @@ _SHIMMED_MODULES = {
     "megatron.core.utils": "device='cuda' in local_multi_tensor_l2_norm",
     # The RNG tracker seeds and snapshots the CUDA generator (torch.cuda.manual_seed / get_rng_state).
     "megatron.core.tensor_parallel.random": "cuda rng",
+    # The schedules count tokens in ``device="cuda"`` tensors; p2p allocates receive buffers and
+    # shape messages on ``torch.cuda.current_device()`` and synchronizes the device.
+    "megatron.core.pipeline_parallel.schedules": "device='cuda' token counts",
+    "megatron.core.pipeline_parallel.p2p_communication": "current_device, synchronize",
 }
 
 # Tensor factories whose ``device=`` the proxy maps from CUDA to CPU.

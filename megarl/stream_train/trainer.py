@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
+from megarl.models import mcore_sharding
 from megarl.parallel.dist import ParallelDims
-from megarl.stream_train.model import build_gpt_model, gpt_logits, load_hf_state, load_state, parse_dtype
+from megarl.stream_train.logprobs import vocab_parallel_logprobs
+from megarl.stream_train.model import build_gpt_model, causal_mask, load_hf_state, load_state, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,13 @@ def _length_order(batch: dict[str, Any]) -> torch.Tensor:
     return torch.sort(_row_lengths(batch), stable=True).indices
 
 
+def _finalize_grads(finalize, model, num_tokens=None, **kwargs) -> None:
+    """Megatron's ``finalize_model_grads`` (DP all-reduce, tied-embedding all-reduce across the
+    first and last stage) without its division by the schedule's token count: ``loss_fn`` already
+    divided by the step's global count (module docstring)."""
+    finalize(model, None, **kwargs)
+
+
 class Trainer:
     """Owns the Megatron model, its DDP wrapper and optimizer on this rank (TP=1, PP=1 for now)."""
 
@@ -102,9 +111,6 @@ class Trainer:
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
-        if dims.tp != 1 or dims.pp != 1:
-            raise ValueError(f"tensor/pipeline parallel size {dims.tp}/{dims.pp} is not supported yet: the trainer "
-                             f"runs with TP=1 and PP=1 (TP/PP training steps are issue 4)")
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
         if self.dtype == torch.float64 and dims.device.type == "cuda":
@@ -119,10 +125,11 @@ class Trainer:
         # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised by
         # the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
         mcfg.calculate_per_token_loss = True
-        # Megatron's schedules all-reduce DP gradients only through this hook (unset: never);
-        # train_step calls the same hook, so a later switch to Megatron's schedules (PP) agrees.
-        mcfg.finalize_model_grads_func = functools.partial(finalize_model_grads,
-                                                           pg_collection=dims.pg_collection)
+        # Megatron's schedules all-reduce DP gradients (and the tied embedding's grads across the
+        # first and last pipeline stage) only through this hook; unset, they never would be.
+        mcfg.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
+        # Micro-batches are trimmed to their longest row, so pipeline stages exchange shapes.
+        mcfg.variable_seq_lengths = dims.pp > 1
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=False,  # grads keep the param dtype (fp64 stays fp64)
             overlap_grad_reduce=False,
@@ -169,17 +176,77 @@ class Trainer:
             group["lr"] = self.lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
 
-    def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logprob [b, T-1] of token t+1 given tokens <= t, in the model dtype (at least fp32).
+    def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None) -> list[dict]:
+        """Megatron's schedule over ``microbatches`` (1F1B through the pipeline stages with PP > 1,
+        a plain loop otherwise). With ``loss_fn``: forward and backward, gradients accumulate and
+        are finalized (DP all-reduce, tied-embedding all-reduce). Without: forward only.
 
-        Computed from full logits: Megatron's ``vocab_parallel_cross_entropy`` would upcast to
-        fp32 only (losing fp64 exactness). TP>1 needs a vocab-parallel version of this over
-        ``dims.tp_group``."""
-        input_ids = input_ids.to(self.dims.device)
-        logits = gpt_logits(self.model, input_ids)[:, :-1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        targets = input_ids[:, 1:, None]
-        return logits.gather(-1, targets)[..., 0] - logits.logsumexp(-1)
+        Returns, on the last pipeline stage, one dict per micro-batch: ``logprobs`` (forward only)
+        or ``loss`` and the ``loss_fn`` metrics; on other stages an empty list."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        dims, vocab, device = self.dims, self.args.vocab_size, self.dims.device
+        # Megatron adds these per-micro-batch counts into a token total and, with
+        # calculate_per_token_loss, hands it to finalize_model_grads, which _finalize_grads drops.
+        one = torch.ones((), dtype=torch.int, device=device)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            b, t = ids.shape
+            out = model(ids, torch.arange(t, device=device).expand(b, t), causal_mask(t, device))
+
+            def loss_func(local_logits: torch.Tensor):
+                lp = vocab_parallel_logprobs(local_logits[:, :-1], ids[:, 1:], dims.tp_group, vocab)
+                if loss_fn is None:
+                    return lp.new_zeros(()), one, {"logprobs": lp.detach()}
+                loss, metrics = loss_fn(lp, mb)
+                return loss, one, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+            return out, loss_func
+
+        microbatches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+                        for mb in microbatches]
+        extra = {}
+        if dims.pp > 1:
+            extra["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=self.gpt.config)
+        return get_forward_backward_func(pp_size=dims.pp, vp_size=None)(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+            num_microbatches=len(microbatches),
+            seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),  # unused: variable lengths
+            micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches),
+            forward_only=loss_fn is None, pg_collection=dims.pg_collection, **extra)
+
+    @property
+    def _last_stage(self) -> bool:
+        return self.dims.pp_rank == self.dims.pp - 1
+
+    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's ``t`` on every stage (others pass a buffer of the same shape)."""
+        if self.dims.pp > 1:
+            t = t.to(self.dims.device)
+            dist.broadcast(t, group=self.dims.pp_group, group_src=self.dims.pp - 1)
+        return t.cpu()
+
+    def _masked_logprobs_impl(self, batch: dict[str, Any], order: torch.Tensor | None) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        out = torch.zeros((input_ids.shape[0], input_ids.shape[1] - 1),
+                          dtype=torch.promote_types(self.dtype, torch.float32))
+        mbs = list(_micro_batches(batch, self.cfg.micro_batch_size, order))
+        with torch.no_grad():
+            outputs = self._forward_backward(mbs, None)
+        if self._last_stage:
+            order = torch.arange(input_ids.shape[0]) if order is None else order
+            start = 0
+            for mb, res in zip(mbs, outputs):
+                rows = order[start:start + mb["input_ids"].shape[0]]
+                start += len(rows)
+                lp = res["logprobs"].cpu()
+                if "loss_mask" in mb:
+                    lp = lp * (mb["loss_mask"] != 0)
+                out[rows, :lp.shape[1]] = lp
+        return self._broadcast_from_last_stage(out)
 
     def _all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         if self.dims.dp == 1 or not values:
@@ -191,54 +258,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ public API
 
-    def token_logprobs(self, input_ids: torch.Tensor, no_grad: bool = True) -> torch.Tensor:
-        """Logprob [B, T-1] (model dtype, on CPU) of ``input_ids[:, t+1]`` given ``input_ids[:, :t+1]``,
-        in micro-batches of ``micro_batch_size`` rows. Right padding is harmless (causal)."""
-        ctx = torch.no_grad() if no_grad else torch.enable_grad()
-        with ctx:
-            return torch.cat([self._logprobs(mb["input_ids"]).cpu()
-                              for mb in _micro_batches({"input_ids": input_ids}, self.cfg.micro_batch_size)])
+    def token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logprob [B, T-1] (no grad; at least fp32, on CPU, on every rank) of ``input_ids[:, t+1]``
+        given ``input_ids[:, :t+1]``, in micro-batches of ``micro_batch_size`` rows. Right padding
+        is harmless (causal)."""
+        return self._masked_logprobs_impl({"input_ids": input_ids}, None)
 
     def masked_logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """Like :meth:`token_logprobs` (no grad) but only where ``loss_mask`` is set (0 elsewhere):
-        rows are length-sorted and trimmed, so padding costs nothing."""
+        """Like :meth:`token_logprobs` but only where ``loss_mask`` is set (0 elsewhere): rows are
+        length-sorted and trimmed, so padding costs nothing."""
         batch = {"input_ids": input_ids, "loss_mask": loss_mask}
-        order = _length_order(batch)
-        out = torch.zeros(loss_mask.shape, dtype=torch.promote_types(self.dtype, torch.float32))
-        with torch.no_grad():
-            start = 0
-            for mb in _micro_batches(batch, self.cfg.micro_batch_size, order):
-                rows = order[start:start + mb["input_ids"].shape[0]]
-                start += len(rows)
-                lp = self._logprobs(mb["input_ids"]).cpu()
-                out[rows, :lp.shape[1]] = lp * (mb["loss_mask"] != 0)
-        return out
+        return self._masked_logprobs_impl(batch, _length_order(batch))
 
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (``input_ids`` [B, T] right-padded, ``loss_mask``
         [B, T-1], plus whatever ``loss_fn`` reads). ``loss_fn(logprobs [b, T-1], micro_batch)``
         returns ``(loss, metrics)`` with the loss already normalised by the whole step's count.
+        Every rank of a data-parallel replica (its TP and PP ranks) passes the same ``batch``;
+        ``loss_fn`` runs on the last pipeline stage.
 
-        Returns the summed ``loss``, the summed ``loss_fn`` metrics (summed over DP too), the
-        pre-clip ``grad_norm`` and ``update_ok`` (False if the optimizer skipped the step)."""
+        Returns, on every rank, the summed ``loss``, the summed ``loss_fn`` metrics (summed over DP
+        too), the pre-clip ``grad_norm`` and ``update_ok`` (False if the optimizer skipped the step)."""
         if "input_ids" not in batch or "loss_mask" not in batch:
             raise KeyError(f"train_step batch needs input_ids and loss_mask; got {sorted(batch)}")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum, metrics = 0.0, {}
-        for mb in _micro_batches(batch, self.cfg.micro_batch_size, _length_order(batch)):
-            mb = {k: v.to(self.dims.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
-            loss, mb_metrics = loss_fn(self._logprobs(mb["input_ids"]), mb)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            for k, v in mb_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-        # DP all-reduce of the accumulated grads (+ later: embedding/TP-norm grad reductions).
-        self.gpt.config.finalize_model_grads_func([self.model])
+        mbs = list(_micro_batches(batch, self.cfg.micro_batch_size, _length_order(batch)))
+        outputs = self._forward_backward(mbs, loss_fn)  # grads finalized by the schedule
         update_ok, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
-        out = self._all_reduce_sum({"loss": loss_sum, **metrics})
+        sums: dict[str, float] = {}
+        for res in outputs:
+            for k, v in res.items():
+                sums[k] = sums.get(k, 0.0) + v
+        if self.dims.pp > 1:  # only the last stage ran loss_fn
+            box = [sums]
+            dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
+                                       device=self.dims.device)
+            sums = box[0]
+        out = self._all_reduce_sum(sums)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_ok"] = float(bool(update_ok))
         return out
@@ -250,12 +309,24 @@ class Trainer:
         self.lr = float(lr)
         self._apply_lr_and_wd()
 
+    def mcore_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the whole model's weights under Megatron names, on CPU, on every rank: with
+        TP/PP the pieces of this rank's model-parallel group are all-gathered and merged
+        (``mcore_sharding.merge``, which also checks that replicated tensors agree bitwise).
+        Materialises the full model on each rank: for export and tests, not for the weight sync."""
+        local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.state_dict().items()
+                 if not k.endswith("_extra_state")}
+        dims = self.dims
+        if dims.tp == 1 and dims.pp == 1:
+            return local
+        pieces = [None] * (dims.tp * dims.pp)
+        dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank), local), group=dims.pg_collection.mp)
+        return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the weights under HF names, in the model dtype, on CPU (export, checkpoints and
-        the single-process weight sync; bucketed device-to-device sync is issue 4's)."""
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.state_dict().items()
-              if not k.endswith("_extra_state")}
-        return mcore_mapping.mcore_to_hf(sd, self.args)
+        """The whole model's weights under HF names, in the model dtype, on CPU, on every rank
+        (export, checkpoints and the single-process weight sync)."""
+        return mcore_mapping.mcore_to_hf(self.mcore_state_dict(), self.args)
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint: Megatron-named model weights, Megatron optimizer state, lr, steps done. Deep

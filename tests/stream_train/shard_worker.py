@@ -4,8 +4,9 @@ One launch covers every layout of ``LAYOUTS`` (TP2 x DP2, PP2 x DP2, TP2 x PP2):
 processes and importing Megatron costs far more than the tiny models. For each layout and each
 of ``CASES`` every rank builds its GPTModel stage/TP piece in fp64, records its initial state,
 loads its shard of the seeded reference weights, runs the forward (``gpt_logits`` for PP=1, with
-the parameter gradients of a loss on the gathered logits; ``pipeline_logits`` for PP>1) and saves
-it all to ``out_dir/rank<r>.pt``. The test asserts."""
+the parameter gradients of a loss on the gathered logits; ``pipeline_logits`` for PP>1), then
+trains a ``Trainer`` of that layout for 2 GRPO steps (each DP rank on its rows) and saves it all
+to ``out_dir/rank<r>.pt``. The test asserts."""
 import dataclasses
 import sys
 import warnings
@@ -25,6 +26,8 @@ else:  # run by torchrun as a script
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.parallel.dist import init_parallel, teardown
+from megarl.rl.grpo import grpo_loss
+from megarl.stream_train.trainer import Trainer, TrainerConfig
 from megarl.stream_train.model import (
     build_gpt_model,
     gpt_logits,
@@ -63,6 +66,52 @@ def grads_of_gathered(model, ids, dims, args) -> dict:
     return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
+TRAIN_STEPS = 2
+
+
+def train_config() -> TrainerConfig:
+    # lr large enough that 2 Adam steps move every weight; clip_grad below the grad norm (~0.7),
+    # so the norm over all model-parallel pieces is used; micro-batches of 2 rows give each DP
+    # rank several micro-batches (1F1B with PP=2 runs warm-up, steady state and cool-down).
+    return TrainerConfig(lr=1e-2, micro_batch_size=2, dtype="float64", clip_grad=0.3, weight_decay=0.1)
+
+
+def train_batch(args, step: int) -> dict:
+    """8 right-padded rows of different lengths with a 3-token prompt, and GRPO advantages."""
+    g = torch.Generator().manual_seed(100 + step)
+    b, t = 8, 12
+    ids = torch.randint(0, args.vocab_size, (b, t), generator=g)
+    mask = torch.zeros(b, t - 1, dtype=torch.float64)
+    for i, n in enumerate([12, 9, 7, 12, 5, 8, 11, 6]):
+        ids[i, n:] = 0
+        mask[i, 2:n - 1] = 1
+    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(b, generator=g, dtype=torch.float64)}
+
+
+def dp_slice(batch: dict, dp_rank: int, dp: int) -> dict:
+    """This DP rank's rows (every dp-th), the other entries unchanged."""
+    n = batch["input_ids"].shape[0]
+    return {k: v[dp_rank::dp] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+            for k, v in batch.items()}
+
+
+def train_steps(trainer, args, dp_rank: int = 0, dp: int = 1) -> list:
+    """TRAIN_STEPS GRPO steps; each DP rank trains on its slice with the global token count.
+    Returns per step the old logprobs of the whole batch and the train_step outputs."""
+    out = []
+    for step in range(TRAIN_STEPS):
+        batch = train_batch(args, step)
+        batch["old_logprobs"] = old = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"])
+        n = float(batch["loss_mask"].sum())
+
+        def loss_fn(lp, mb):
+            return grpo_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], n,
+                             clip_eps_low=0.2, clip_eps_high=0.2)
+
+        out.append({"old_logprobs": old, "metrics": trainer.train_step(dp_slice(batch, dp_rank, dp), loss_fn)})
+    return out
+
+
 def run_layout(tp: int, pp: int) -> dict:
     dims = init_parallel(tp=tp, pp=pp)
     result = {"tp_rank": dims.tp_rank, "pp_rank": dims.pp_rank, "dp_rank": dims.dp_rank, "cases": {}}
@@ -81,6 +130,10 @@ def run_layout(tp: int, pp: int) -> dict:
             "logits": None if logits is None else logits.detach().clone(),
             "grads": grads_of_gathered(model, ids, dims, args) if pp == 1 else None,
         }
+        trainer = Trainer(args, train_config(), dims, hf_state=reference(args, seed=3, dtype=torch.float64)
+                          .hf_state_dict(), seed=0)
+        result["cases"][(model_type, tie)].update(
+            train=train_steps(trainer, args, dims.dp_rank, dims.dp), trained_hf=trainer.hf_state_dict())
     # Keep the process group for the next layout; only Megatron's parallel state is rebuilt.
     teardown(dataclasses.replace(dims, owns_process_group=False))
     return result
