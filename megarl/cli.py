@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -84,9 +85,19 @@ def _bench(args, cfg) -> int:
     return 0
 
 
+def configure_logging() -> None:
+    """INFO from rank 0 (WARNING from the other ranks of a multi-process run, tagged with their
+    rank); Megatron-core's own INFO chatter (optimizer configs, bucket listings) only at WARNING."""
+    rank = int(os.environ.get("RANK", "0"))
+    tag = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s {tag}%(name)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     from megarl.config import dump_config, load_config
 
     try:

@@ -12,6 +12,7 @@ from typing import Literal
 
 import yaml
 
+from megarl.parallel.layout import ParallelConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
@@ -148,6 +149,9 @@ class RunConfig:
     """Supervised warm-up."""
     spec: SpecConfig = field(default_factory=SpecConfig)
     """Speculative rollouts (exact: they change speed, never samples)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Process layout: trainer TP/PP/EP (DP is what is left of the world), rollout TP, placement.
+    Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""
 
     def __post_init__(self):
         if self.data.source == "jsonl" and not self.data.jsonl_path:

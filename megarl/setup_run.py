@@ -5,6 +5,7 @@ clear message and leave nothing behind, so all of it is loaded and checked here 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +14,8 @@ import torch
 from megarl.config import RunConfig
 from megarl.models.config import ModelArgs
 from megarl.models.hf_io import load_hf_state_dict, read_hf_config
+from megarl.models.mcore_sharding import check_parallel
+from megarl.parallel.layout import Layout
 from megarl.rl.data import exact_answer_reward, load_jsonl_prompts
 from megarl.rl.task import AdditionTask, Problem
 from megarl.rl.tokenizer import CharTokenizer, HFTokenizer
@@ -29,6 +32,33 @@ class RunInputs:
     """HF-named starting weights, or None for a fresh init from the seed."""
     task: AdditionTask | None
     """The synthetic task (for SFT solutions), None for JSONL data."""
+    layout: Layout | None = None
+    """Where the run's processes go (``parallel`` section checked against WORLD_SIZE and the model)."""
+
+
+def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None) -> Layout:
+    """The run's process layout, or a ValueError naming the field that does not fit. The world
+    size is torchrun's/srun's ``WORLD_SIZE`` (1 when launched directly)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    p = cfg.parallel
+    layout = Layout.build(p, world, args.num_attention_heads, args.num_key_value_heads, args.num_hidden_layers,
+                          getattr(args, "num_experts", 0) or 0)
+    if p.placement != "colocated":
+        raise ValueError(f"parallel.placement={p.placement!r}: the training loop runs colocated only so far "
+                         f"(disaggregated layouts are checked and their groups built, but the trainer "
+                         f"sub-world is not); valid choice: 'colocated'")
+    check_parallel(args, p.trainer_tp, p.trainer_pp)
+    seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if seqs < layout.trainer_dp:
+        raise ValueError(f"rollout.prompts_per_step * group_size = {seqs} sequences per step cannot give each of "
+                         f"the {layout.trainer_dp} trainer data-parallel ranks a row; valid: >= {layout.trainer_dp}")
+    if cfg.sft.steps > 0 and cfg.sft.batch_size < layout.trainer_dp:
+        raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is smaller than the trainer's data-parallel size "
+                         f"{layout.trainer_dp}; valid: >= {layout.trainer_dp}")
+    if cfg.rollout.prompts_per_step < layout.rollout_dp:
+        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves some of the "
+                         f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
+    return layout
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
@@ -66,4 +96,4 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         raise ValueError("sft.steps must be 0 with data.source=jsonl: SFT trains on the synthetic task's "
                          "worked solutions (data.source=addition)")
     return RunInputs(tokenizer=tokenizer, problems=problems, reward_fn=reward_fn, args=args,
-                     init_hf_state=init_state, task=task)
+                     init_hf_state=init_state, task=task, layout=check_layout(cfg, args))

@@ -19,11 +19,12 @@ from megarl.engine import Engine, EngineConfig
 from megarl.models.hf_io import save_hf_model
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
+from megarl.parallel.layout import Layout, RolloutGroups, create_rollout_groups
 from megarl.parallel.weight_sync import sync_weights
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
 from megarl.rl.update import grpo_update
-from megarl.setup_run import RunInputs, prepare_inputs
+from megarl.setup_run import RunInputs, check_layout, prepare_inputs
 from megarl.spec.speculator import Speculator
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.fs import atomic_write_text
@@ -56,18 +57,26 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     run_dir = Path(run_dir)
     inputs = inputs or prepare_inputs(cfg)  # all bad input fails here, before anything is written
     ckpt = check_run_dir(run_dir, resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process that writes run-level files
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     if cfg.deterministic:
         set_deterministic()
-    dims = init_distributed()
+    p = cfg.parallel
+    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp)
     try:
-        return _train(cfg, run_dir, inputs, ckpt, dims)
+        layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
+        if dims.rank == 0:
+            log.info("process layout: %s", layout.describe())
+        return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout)
     finally:
-        shutdown_distributed()
+        shutdown_distributed(dims)
 
 
-def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims) -> list[dict]:
+def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
+           layout: Layout) -> list[dict]:
+    rank0 = dims.rank == 0
     trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
     engine = Engine(CausalLM(inputs.args), EngineConfig(
         max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
@@ -75,19 +84,21 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
     start, trainer_state = 0, {}
     if ckpt is not None:
-        trainer_state, loop_state = load_checkpoint(ckpt)
+        trainer_state, loop_state = load_checkpoint(ckpt, dims)
         trainer.load_state_dict(trainer_state)
         start = loop_state["step"]
-        _truncate_metrics(run_dir / "metrics.jsonl", start)
+        if rank0:
+            _truncate_metrics(run_dir / "metrics.jsonl", start)
         log.info("resumed from %s (step %d)", ckpt, start)
     elif cfg.sft.steps > 0:
         sft = run_sft(trainer, inputs, cfg)
-        log.info("SFT done: %s", sft)
-        atomic_write_text(run_dir / "sft.json", json.dumps(sft))
+        if rank0:
+            log.info("SFT done: %s", sft)
+            atomic_write_text(run_dir / "sft.json", json.dumps(sft))
         trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
         trainer.set_lr(cfg.trainer.lr)
         if cfg.checkpoint_every:
-            save_checkpoint(run_dir, 0, trainer.state_dict(), {}, keep=cfg.keep_checkpoints)
+            save_checkpoint(run_dir, 0, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims)
     trainer.set_lr(cfg.trainer.lr)
     ref = None
     if cfg.grpo.kl_coef > 0:  # reference = the policy RL starts from (after SFT)
@@ -97,9 +108,10 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
         ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
     sync_weights(trainer, engine)
-    rollout = RolloutStage(engine, inputs, cfg)
+    rollout = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
+                           dp_group=groups.dp_group)
     history = []
-    bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress, initial=start,
+    bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress or not rank0, initial=start,
                total=cfg.rl_steps)
     for step in bar:
         t0 = time.perf_counter()
@@ -118,14 +130,17 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,
                        train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0)
         history.append(metrics)
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if rank0:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            extra = {"ref": ref.state_dict()} if ref is not None else {}
-            save_checkpoint(run_dir, step + 1, {**trainer.state_dict(), **extra}, {}, keep=cfg.keep_checkpoints)
-    save_hf_model(trainer.hf_state_dict(), inputs.args, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)
-    log.info("exported HF checkpoint to %s", run_dir / "hf")
+            save_checkpoint(run_dir, step + 1, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims,
+                            ref_state=ref.state_dict() if ref is not None else None)
+    hf = trainer.hf_state_dict()  # collective with TP/PP: every process takes part
+    if rank0:
+        save_hf_model(hf, inputs.args, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)
+        log.info("exported HF checkpoint to %s", run_dir / "hf")
     return history
 
 

@@ -11,7 +11,7 @@ import time
 from tqdm.auto import tqdm
 
 from megarl.config import RunConfig
-from megarl.rl.batching import make_batch
+from megarl.rl.batching import dp_rows, make_batch
 from megarl.rl.grpo import sft_loss
 
 
@@ -30,12 +30,13 @@ def sft_batch(inputs, cfg: RunConfig, step: int) -> dict:
 def run_sft(trainer, inputs, cfg: RunConfig) -> dict[str, float]:
     trainer.set_lr(cfg.sft.lr)
     t0 = time.perf_counter()
-    bar = tqdm(range(cfg.sft.steps), desc="SFT", disable=not cfg.progress)
+    bar = tqdm(range(cfg.sft.steps), desc="SFT", disable=not cfg.progress or trainer.dims.rank != 0)
     first = last = None
     for step in bar:
         batch = sft_batch(inputs, cfg, step)
-        n = float(batch["loss_mask"].sum())
-        out = trainer.train_step(batch, lambda lp, mb: (sft_loss(lp, mb["loss_mask"], n), {}))
+        n = float(batch["loss_mask"].sum())  # the whole step's count; each DP rank trains its rows
+        out = trainer.train_step(dp_rows(batch, trainer.dims.dp_rank, trainer.dims.dp),
+                                 lambda lp, mb: (sft_loss(lp, mb["loss_mask"], n), {}))
         last = out["loss"]
         first = last if first is None else first
         bar.set_postfix(loss=f"{last:.3f}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config import RunConfig
-from megarl.rl.batching import make_batch
+from megarl.rl.batching import dp_rows, make_batch
 from megarl.rl.grpo import group_advantages, grpo_loss
 
 
@@ -22,12 +22,13 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
     adv = group_advantages(rewards, g, normalize_std=cfg.grpo.normalize_std)
     batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], inputs.tokenizer.pad_id)
     batch["advantages"] = adv
+    num_tokens = float(batch["loss_mask"].sum())  # the whole step's count, on every DP rank
+    batch = dp_rows(batch, trainer.dims.dp_rank, trainer.dims.dp)  # this DP rank's rows
     # One optimizer step per RL step, so old == current policy and the ratio starts at 1; computed
     # explicitly all the same so that the objective stays PPO's if more updates per step are added.
     batch["old_logprobs"] = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"])
     if ref is not None:
         batch["ref_logprobs"] = ref_token_logprobs(ref, batch["input_ids"])
-    num_tokens = float(batch["loss_mask"].sum())
     c = cfg.grpo
 
     def loss_fn(logprobs, mb):

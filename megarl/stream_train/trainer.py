@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
 from megarl.models import mcore_sharding
+from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
 from megarl.stream_train.model import build_gpt_model, causal_mask, load_hf_state, load_state, parse_dtype
@@ -105,10 +106,13 @@ def _finalize_grads(finalize, model, num_tokens=None, **kwargs) -> None:
 
 
 class Trainer:
-    """Owns the Megatron model, its DDP wrapper and optimizer on this rank (TP=1, PP=1 for now)."""
+    """Owns this rank's piece of the Megatron model (its TP rank and PP stage), its DDP wrapper and
+    optimizer."""
 
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, dims: ParallelDims,
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0):
+        """``hf_state``: HF-named starting weights; None draws fresh ones from ``seed``
+        (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         self.args, self.cfg, self.dims = args, cfg, dims
@@ -119,8 +123,10 @@ class Trainer:
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
         model = build_gpt_model(args, dims, self.dtype, seed=seed)
-        if hf_state is not None:
-            load_hf_state(model, hf_state, args, dims)
+        # A fresh model is drawn whole and sharded (models/init_weights.py): Megatron's own init
+        # would depend on the TP/PP/EP layout, and a run must start where its single-process
+        # equivalent starts.
+        load_hf_state(model, hf_state if hf_state is not None else init_hf_state(args, seed, self.dtype), args, dims)
         mcfg = model.config
         # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised by
         # the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
