@@ -13,19 +13,28 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Model types whose attention RMS-normalises each query and key head before RoPE (q_norm/k_norm).
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# Model types whose every decoder layer has a sparse MoE block instead of the dense MLP.
+MOE_TYPES = ("qwen3_moe", "mixtral")
 
 
 @dataclass
 class ModelArgs:
-    """Shapes and options of a Llama/Qwen2-family decoder (HF ``config.json`` field names)."""
+    """Shapes and options of a Llama/Qwen2/Qwen3-family decoder, dense or MoE (HF ``config.json``
+    field names; Mixtral's ``num_local_experts`` is read into ``num_experts``)."""
 
     vocab_size: int
     """Number of rows of the embedding and of the LM head."""
     hidden_size: int
     """Residual stream width."""
     intermediate_size: int
-    """Width of the SwiGLU MLP's gate/up projections."""
+    """Width of the SwiGLU MLP's gate/up projections (unused by Qwen3-MoE, whose layers are all
+    sparse; Mixtral's experts have this width)."""
     num_hidden_layers: int
     """Number of decoder layers."""
     num_attention_heads: int
@@ -45,17 +54,31 @@ class ModelArgs:
     attention_bias: bool = False
     """Whether q/k/v projections carry a bias (Qwen2 always does)."""
     model_type: str = "qwen2"
-    """``llama`` or ``qwen2``."""
+    """``llama``, ``qwen2``, ``qwen3`` (q/k norm), ``qwen3_moe`` (q/k norm, MoE) or ``mixtral`` (MoE)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence token id, if the tokenizer has one."""
     eos_token_id: int | None = None
     """End-of-sequence token id: generation stops when it is sampled."""
     pad_token_id: int | None = None
     """Padding token id (never sampled by megarl; kept for HF round trips)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF Mixtral: ``num_local_experts``); 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k of the router's softmax); 0 for a dense model."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's gate/up projections; 0 for a dense model (Mixtral: its
+    ``intermediate_size``, filled in when 0)."""
+    norm_topk_prob: bool | None = None
+    """Whether the top-k routing weights are renormalised to sum to 1. None: the model type's
+    default (HF's Qwen3-MoE default False; Mixtral always renormalises: True)."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.norm_topk_prob is None:
+            self.norm_topk_prob = self.model_type == "mixtral"
+        if self.model_type == "mixtral" and not self.moe_intermediate_size:
+            self.moe_intermediate_size = self.intermediate_size
         if self.model_type not in SUPPORTED_ARCHITECTURES.values():
             raise ValueError(
                 f"model_type={self.model_type!r} is not supported; valid choices: "
@@ -66,6 +89,45 @@ class ModelArgs:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.model_type in MOE_TYPES:
+            self._check_moe()
+        elif self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+            raise ValueError(
+                f"model_type={self.model_type!r} is dense but num_experts={self.num_experts}, "
+                f"num_experts_per_tok={self.num_experts_per_tok}, moe_intermediate_size="
+                f"{self.moe_intermediate_size} are set; MoE model types: {list(MOE_TYPES)}"
+            )
+        if self.model_type in ("qwen3", "qwen3_moe", "mixtral") and self.attention_bias:
+            # Qwen3's attention_bias would also put a bias on o_proj, which the Megatron mapping
+            # has no place for; released Qwen3/Mixtral checkpoints have no attention biases.
+            raise ValueError(f"attention_bias=True is not supported for model_type={self.model_type!r}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts={self.num_experts} must be >= 1 for model_type={self.model_type!r}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1 for "
+                             f"model_type={self.model_type!r}")
+        if self.model_type == "mixtral":
+            if not self.norm_topk_prob:
+                raise ValueError("norm_topk_prob=False is not Mixtral's routing (it always renormalises "
+                                 "the top-k weights); use model_type='qwen3_moe' for unnormalised routing")
+            if self.moe_intermediate_size != self.intermediate_size:
+                raise ValueError(f"Mixtral experts have width intermediate_size={self.intermediate_size}; "
+                                 f"got moe_intermediate_size={self.moe_intermediate_size}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Every decoder layer has a sparse MoE block (megarl has no mixed dense/sparse stacks)."""
+        return self.num_experts > 0
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention RMS-normalises each query/key head (``q_norm``/``k_norm``) before RoPE."""
+        return self.model_type in QK_NORM_TYPES
 
     @property
     def qkv_bias(self) -> bool:
@@ -107,6 +169,10 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]
+        if model_type in MOE_TYPES:
+            cfg = _moe_fields_from_hf(cfg, model_type)
+        elif model_type == "qwen3" and cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
         names = {f.name for f in dataclasses.fields(cls)} - {"model_type", "eos_token_id"}
         kwargs = {k: cfg[k] for k in names if k in cfg and cfg[k] is not None}
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -127,9 +193,56 @@ class ModelArgs:
             use_cache=True,
             attention_dropout=0.0,
         )
+        if not self.is_moe:
+            for name in _MOE_FIELDS:  # dense configs carry no MoE fields
+                cfg.pop(name)
         if self.model_type == "qwen2":
             cfg.pop("attention_bias")  # Qwen2 always has qkv bias; HF's config has no such field
             cfg["use_sliding_window"] = False
+        elif self.model_type in ("qwen3", "qwen3_moe"):
+            cfg.update(use_sliding_window=False, sliding_window=None)
+            if self.model_type == "qwen3_moe":
+                # Every layer sparse: the only layout megarl's models (and their mapping) cover.
+                cfg.update(decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.model_type == "mixtral":
+            cfg.pop("attention_bias")  # Mixtral's config has no such field (and never a bias)
+            cfg.pop("norm_topk_prob")  # always renormalised
+            cfg["num_local_experts"] = cfg.pop("num_experts")
+            cfg.pop("moe_intermediate_size")  # = intermediate_size
+            cfg.update(sliding_window=None, router_jitter_noise=0.0)
         else:
             cfg["mlp_bias"] = False
         return cfg
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+
+
+def _moe_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The HF config of an MoE model with its fields under ``ModelArgs`` names; layouts megarl does
+    not implement (dense layers mixed in, sliding windows, router jitter) raise naming the field."""
+    cfg = dict(cfg)
+    if model_type == "qwen3_moe":
+        if cfg.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"decoder_sparse_step={cfg['decoder_sparse_step']} is not supported: every layer "
+                             f"must be sparse (decoder_sparse_step=1)")
+        if cfg.get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers={cfg['mlp_only_layers']} is not supported: every layer must be "
+                             f"sparse (mlp_only_layers=[])")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
+        # HF's Qwen3MoeConfig defaults, for configs that leave them out.
+        cfg.setdefault("num_experts", 128)
+        cfg.setdefault("num_experts_per_tok", 8)
+        cfg.setdefault("moe_intermediate_size", 768)
+        cfg.setdefault("norm_topk_prob", False)
+    else:  # mixtral
+        if cfg.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported (full causal attention "
+                             f"only: sliding_window=None)")
+        if cfg.get("router_jitter_noise"):
+            raise ValueError(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported: the router "
+                             f"must be deterministic (router_jitter_noise=0)")
+        cfg["num_experts"] = cfg.get("num_local_experts", 8)
+        cfg.setdefault("num_experts_per_tok", 2)
+    return cfg

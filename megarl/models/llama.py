@@ -1,4 +1,5 @@
-"""Llama / Qwen2 decoder in plain torch, for the rollout engine and for reference checks.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder in plain torch, for the rollout engine and
+for reference checks.
 
 Parameter names are exactly the Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
 ...), so a HF safetensors file loads with ``load_state_dict`` and the weight sync from the
@@ -9,6 +10,11 @@ Attention is pluggable: every layer computes q/k/v (RoPE applied) and hands them
 one, plain causal attention over the given tokens is used. The engine passes a backend that
 writes k/v into its KV cache and attends over the cached prefix, so the model never knows how
 the cache is laid out.
+
+MoE layers (Qwen3-MoE ``mlp.gate`` + ``mlp.experts.E.{gate,up,down}_proj``, Mixtral
+``block_sparse_moe.gate`` + ``block_sparse_moe.experts.E.{w1,w3,w2}``) route each token on its own
+hidden state and never drop tokens, so a token's output depends on that token only: the engine's
+batch composition cannot change it (DESIGN.md §2).
 """
 from __future__ import annotations
 
@@ -98,35 +104,136 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
+class QKNormAttention(Attention):
+    """Qwen3 attention: each query and key head is RMS-normalised over ``head_dim`` (``q_norm`` /
+    ``k_norm``, one weight shared by all heads) before RoPE. A subclass, so that Llama/Qwen2
+    attention runs its own forward untouched."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__(args, layer_idx)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend):
+        b, t, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        ff = intermediate_size or args.intermediate_size
+        self.gate_proj = nn.Linear(args.hidden_size, ff, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, ff, bias=False)
+        self.down_proj = nn.Linear(ff, args.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MixtralExpert(nn.Module):
+    """One Mixtral expert: the SwiGLU MLP under HF Mixtral's names (w1 = gate, w3 = up, w2 = down)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.w3 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.moe_intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts without a shared expert (Qwen3-MoE / Mixtral), HF's math exactly:
+    router logits ``gate(x)`` in the model dtype; softmax over all experts in at least fp32 (HF
+    forces fp32; fp64 stays fp64 for the exactness tests); the top-k of those probabilities,
+    renormalised to sum 1 when ``norm_topk_prob``; the weights cast to the model dtype; the output
+    ``sum_j w_j * expert_j(x)`` accumulated from zeros in ascending expert order.
+
+    Every step is per token and no token is ever dropped (no capacity), so a token's output is a
+    function of that token alone. The (token, expert) pairs are sorted by expert once; the loop
+    runs over the experts that received tokens, each on its contiguous rows, and ``index_add_``s
+    its weighted output into the tokens' rows. An expert adds at most once to a token, so the
+    order of a token's sum is the loop's (ascending experts, as in HF) on every backend."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = (args.num_experts, args.num_experts_per_tok,
+                                                             args.norm_topk_prob)
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        if args.model_type == "mixtral":
+            self.experts = nn.ModuleList(MixtralExpert(args) for _ in range(args.num_experts))
+        else:
+            self.experts = nn.ModuleList(MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of tokens ``x`` [N, H]: (weights [N, k] in x's dtype, expert ids [N, k])."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits.to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        flat = experts.flatten()  # entry n*k + j: token n's j-th expert
+        order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending in a group
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        picked = x.index_select(0, tokens)
+        w = weights.flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                out.index_add_(0, tokens[rows], self.experts[e](picked[rows]) * w[rows])
+                start += n
+        return out.view(shape)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, layer_idx)
+        self.self_attn = (QKNormAttention if args.qk_norm else Attention)(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoE(args) if args.is_moe else MLP(args)
 
     def forward(self, x, cos, sin, attn):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MixtralDecoderLayer(nn.Module):
+    """Mixtral's layer: the same computation, with HF's name ``block_sparse_moe`` for the MoE block."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.block_sparse_moe = SparseMoE(args)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
 class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        layer = MixtralDecoderLayer if args.model_type == "mixtral" else DecoderLayer
+        self.layers = nn.ModuleList(layer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-core GPTModel state-dict names for the Llama / Qwen2 family (the one mapping).
+"""HF <-> Megatron-core GPTModel state-dict names for the Llama / Qwen2 / Qwen3 family, dense and
+MoE (Qwen3-MoE, Mixtral): the one mapping.
 
 Megatron-core (local layer spec) names and layouts, per decoder layer ``i``:
 
@@ -15,6 +16,22 @@ Megatron-core                                                  HF
 ``decoder.final_layernorm.weight``                             ``model.norm.weight``
 ``output_layer.weight`` (absent when tied)                     ``lm_head.weight`` (absent when tied)
 =============================================================  ==========================================
+
+Qwen3 / Qwen3-MoE add the per-head q/k RMSNorms; MoE layers (Qwen3-MoE, Mixtral) replace the dense
+``mlp.*`` by a router and ``num_experts`` experts (Megatron's ``SequentialMLP``, expert ``e``):
+
+=====================================================================  ===================================================
+Megatron-core                                                          HF (Qwen3-MoE / Mixtral)
+=====================================================================  ===================================================
+``decoder.layers.i.self_attention.q_layernorm.weight`` (``k_``)        ``model.layers.i.self_attn.q_norm.weight`` (``k_``)
+``decoder.layers.i.mlp.router.weight``                                 ``mlp.gate.weight`` / ``block_sparse_moe.gate.weight``
+``decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight``     ``cat(gate_proj, up_proj)`` / ``cat(w1, w3)``
+``decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight``     ``down_proj`` / ``w2`` of ``experts.e``
+=====================================================================  ===================================================
+
+An expert's ``linear_fc1`` is ``[gate; up]`` exactly like the dense one (each expert is a Megatron
+``MLP``). Here ``e`` is the global expert index (EP=1); with EP > 1 each rank numbers its own
+experts from 0 (:mod:`megarl.models.mcore_sharding`).
 
 ``linear_qkv`` rows are grouped per KV head, as ``SelfAttention.get_query_key_value_tensors``
 splits them: for each group ``g`` of ``num_key_value_heads``, the ``r = heads / kv_heads`` query
@@ -35,16 +52,37 @@ from megarl.models.config import ModelArgs
 _EXTRA_STATE = "_extra_state"
 
 
-def _layer_names(args: ModelArgs, i: int) -> tuple[dict[str, str], str, str]:
-    """(1:1 renames HF->mcore, mcore qkv prefix, mcore fc1 name) of layer ``i``."""
+# HF names of an MoE block per model type: (block, (gate, up, down) names of an expert's linears).
+_MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
+def _layer_names(args: ModelArgs, i: int) -> tuple[dict[str, str], str, dict[str, tuple[str, str]]]:
+    """(1:1 renames HF->mcore, mcore qkv prefix, fused fc1 names: mcore -> (HF gate, HF up)) of
+    layer ``i``: one fc1 for a dense layer, one per expert for an MoE layer."""
     hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
     renames = {
         hf + "input_layernorm.weight": mc + "input_layernorm.weight",
         hf + "self_attn.o_proj.weight": mc + "self_attention.linear_proj.weight",
         hf + "post_attention_layernorm.weight": mc + "pre_mlp_layernorm.weight",
-        hf + "mlp.down_proj.weight": mc + "mlp.linear_fc2.weight",
     }
-    return renames, mc + "self_attention.linear_qkv.", mc + "mlp.linear_fc1.weight"
+    if args.qk_norm:
+        renames[hf + "self_attn.q_norm.weight"] = mc + "self_attention.q_layernorm.weight"
+        renames[hf + "self_attn.k_norm.weight"] = mc + "self_attention.k_layernorm.weight"
+    if not args.is_moe:
+        renames[hf + "mlp.down_proj.weight"] = mc + "mlp.linear_fc2.weight"
+        return renames, mc + "self_attention.linear_qkv.", {
+            mc + "mlp.linear_fc1.weight": (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")}
+    block, (gate, up, down) = _MOE_HF_NAMES[args.model_type]
+    renames[hf + f"{block}.gate.weight"] = mc + "mlp.router.weight"
+    fc1 = {}
+    for e in range(args.num_experts):
+        he, me = hf + f"{block}.experts.{e}.", mc + f"mlp.experts.local_experts.{e}."
+        renames[he + f"{down}.weight"] = me + "linear_fc2.weight"
+        fc1[me + "linear_fc1.weight"] = (he + f"{gate}.weight", he + f"{up}.weight")
+    return renames, mc + "self_attention.linear_qkv.", fc1
 
 
 def _global_renames(args: ModelArgs) -> dict[str, str]:
@@ -74,9 +112,22 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             if args.qkv_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, nq * d)
-        shapes[p + "mlp.gate_proj.weight"] = (ff, h)
-        shapes[p + "mlp.up_proj.weight"] = (ff, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, ff)
+        if args.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if not args.is_moe:
+            shapes[p + "mlp.gate_proj.weight"] = (ff, h)
+            shapes[p + "mlp.up_proj.weight"] = (ff, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, ff)
+            continue
+        block, (gate, up, down) = _MOE_HF_NAMES[args.model_type]
+        shapes[p + f"{block}.gate.weight"] = (args.num_experts, h)
+        eff = args.moe_intermediate_size
+        for e in range(args.num_experts):
+            pe = p + f"{block}.experts.{e}."
+            shapes[pe + f"{gate}.weight"] = (eff, h)
+            shapes[pe + f"{up}.weight"] = (eff, h)
+            shapes[pe + f"{down}.weight"] = (h, eff)
     return shapes
 
 
@@ -91,7 +142,8 @@ def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[qkv + "weight"] = ((nq + 2 * nkv) * d, args.hidden_size)
         if args.qkv_bias:
             shapes[qkv + "bias"] = ((nq + 2 * nkv) * d,)
-        shapes[fc1] = (2 * args.intermediate_size, args.hidden_size)
+        for mc, (gate, _) in fc1.items():
+            shapes[mc] = (2 * hf[gate][0], args.hidden_size)
     return shapes
 
 
@@ -156,7 +208,8 @@ def hf_to_mcore(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
         for kind in kinds:
             out[qkv + kind] = _fuse_qkv(*(hf_sd[p + f"self_attn.{n}.{kind}"] for n in ("q_proj", "k_proj", "v_proj")),
                                         args)
-        out[fc1] = torch.cat([hf_sd[p + "mlp.gate_proj.weight"], hf_sd[p + "mlp.up_proj.weight"]], dim=0)
+        for mc, (gate, up) in fc1.items():
+            out[mc] = torch.cat([hf_sd[gate], hf_sd[up]], dim=0)
     return out
 
 
@@ -174,6 +227,6 @@ def mcore_to_hf(mcore_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str,
             q, k, v = _split_qkv(mcore_sd[qkv + kind], args)
             out.update({p + f"self_attn.q_proj.{kind}": q, p + f"self_attn.k_proj.{kind}": k,
                         p + f"self_attn.v_proj.{kind}": v})
-        gate, up = mcore_sd[fc1].chunk(2, dim=0)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        for mc, (gate, up) in fc1.items():
+            out[gate], out[up] = mcore_sd[mc].chunk(2, dim=0)
     return out

@@ -1,9 +1,10 @@
-"""Full Megatron-core GPTModel state dict <-> the local state dicts of every TP x PP rank.
+"""Full Megatron-core GPTModel state dict <-> the local state dicts of every TP x PP (x EP) rank.
 
-The full dict is :func:`megarl.models.mcore_mapping.hf_to_mcore`'s output (TP=1, PP=1 names and
-shapes). :func:`shard` cuts it into exactly what Megatron-core 0.16.1's ``GPTModel`` (local layer
-spec, as built by ``megarl.stream_train.model.build_gpt_model``) holds on rank ``(tp_rank,
-pp_rank)``; :func:`merge` puts the pieces back. Pure tensor code: no torch.distributed.
+The full dict is :func:`megarl.models.mcore_mapping.hf_to_mcore`'s output (TP=1, PP=1, EP=1 names
+and shapes). :func:`shard` cuts it into exactly what Megatron-core 0.16.1's ``GPTModel`` (local
+layer spec, as built by ``megarl.stream_train.model.build_gpt_model``) holds on rank ``(tp_rank,
+pp_rank)`` (``(tp_rank, pp_rank, ep_rank)`` with expert parallelism); :func:`merge` puts the
+pieces back. Pure tensor code: no torch.distributed.
 
 Tensor parallel layout (``t = tp``, rank ``k`` holds the ``k``-th of ``t`` equal pieces):
 
@@ -19,7 +20,10 @@ tensor                                                 Megatron  rank ``k`` hold
 ``mlp.linear_fc1.weight`` [2*ff, h] = [gate; up]       column    ``[gate rows k; up rows k]`` (gate and up
                                                                  split separately, then concatenated)
 ``mlp.linear_fc2.weight`` [h, ff]                      row       columns ``k*ff/t .. (k+1)*ff/t``
-``*layernorm.weight`` [h]                              --        replicated (a full copy on every rank)
+``*layernorm.weight`` [h] (and q/k ``[head_dim]``)     --        replicated (a full copy on every rank)
+``mlp.router.weight`` [E, h]                           --        replicated
+``mlp.experts.local_experts.j.linear_fc1.weight``      column    like the dense fc1 (expert TP size = tp)
+``mlp.experts.local_experts.j.linear_fc2.weight``      row       like the dense fc2
 =====================================================  ========  ==========================================
 
 Why these cuts: a column-parallel linear computes output features ``rows(k)`` of its weight on
@@ -36,6 +40,13 @@ into equal pieces, so with TP > 1 the vocab is padded to :func:`padded_vocab` (a
 Padded ids are never fed and their logits are stripped after the TP gather, so the padding rows'
 values never matter; :func:`merge` drops them. With TP=1 nothing is padded: megarl's TP=1 model
 (and its checkpoints) always had the exact vocab.
+
+Expert layout (``ep`` ranks, MoE models): ``ep`` divides ``num_experts = E``; EP rank ``r`` holds
+the experts ``r*E/ep .. (r+1)*E/ep - 1`` of every layer of its stage, renumbered from 0
+(``mlp.experts.local_experts.<j>`` is global expert ``r*E/ep + j``: Megatron's
+``local_expert_indices``), each cut over TP like a dense MLP. Everything else, the router
+included, is the same on every EP rank (the EP ranks are data-parallel ranks of the dense part);
+:func:`merge` checks that those copies are bitwise equal.
 
 Pipeline layout (``p = pp`` stages, ``n = num_hidden_layers``, ``p`` divides ``n``): stage ``s``
 holds layers ``s*n/p .. (s+1)*n/p - 1`` renumbered from 0 (``decoder.layers.<local>``: the
@@ -56,22 +67,40 @@ import torch
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
 
-Rank = tuple[int, int]  # (tp_rank, pp_rank)
+Rank = tuple[int, ...]  # (tp_rank, pp_rank), with ep_rank appended when ep > 1
 
 _EMB = "embedding.word_embeddings.weight"
 _OUT = "output_layer.weight"
 _FINAL_NORM = "decoder.final_layernorm.weight"
 
-# Kind of each per-layer tensor (name after ``decoder.layers.<i>.``).
+# Kind of each per-layer tensor (name after ``decoder.layers.<i>.``); absent ones are skipped.
 _LAYER_KINDS = {
     "input_layernorm.weight": "replicated",
     "self_attention.linear_qkv.weight": "qkv",
     "self_attention.linear_qkv.bias": "qkv",
     "self_attention.linear_proj.weight": "row",
+    "self_attention.q_layernorm.weight": "replicated",
+    "self_attention.k_layernorm.weight": "replicated",
     "pre_mlp_layernorm.weight": "replicated",
     "mlp.linear_fc1.weight": "fc1",
     "mlp.linear_fc2.weight": "row",
+    "mlp.router.weight": "replicated",
 }
+# Kind of each tensor of an MoE expert (name after ``decoder.layers.<i>.mlp.experts.local_experts.<e>.``).
+_EXPERT_KINDS = {"linear_fc1.weight": "fc1", "linear_fc2.weight": "row"}
+_EXPERTS = "mlp.experts.local_experts."
+
+
+def _expert_key(layer: int, expert: int, name: str) -> str:
+    return f"decoder.layers.{layer}.{_EXPERTS}{expert}.{name}"
+
+
+def _rank_key(tp_rank: int, pp_rank: int, ep_rank: int, ep: int) -> Rank:
+    return (tp_rank, pp_rank) if ep == 1 else (tp_rank, pp_rank, ep_rank)
+
+
+def _rank_name(rank: Rank) -> str:
+    return ", ".join(f"{n}={r}" for n, r in zip(("tp_rank", "pp_rank", "ep_rank"), rank))
 
 
 def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = 128) -> int:
@@ -85,17 +114,18 @@ def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def check_parallel(args: ModelArgs, tp: int, pp: int) -> None:
-    """Raise ``ValueError`` unless ``args``'s model can be cut into ``tp`` x ``pp`` pieces."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
+def check_parallel(args: ModelArgs, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise ``ValueError`` unless ``args``'s model can be cut into ``tp`` x ``pp`` (x ``ep``) pieces."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"tp={tp}, pp={pp} and ep={ep} must be >= 1")
 
     def divisors(*ns: int) -> list[int]:
         return [x for x in range(1, min(ns) + 1) if all(n % x == 0 for n in ns)]
 
+    ffn = "moe_intermediate_size" if args.is_moe else "intermediate_size"
     tp_fields = {"num_attention_heads": args.num_attention_heads,
                  "num_key_value_heads": args.num_key_value_heads,
-                 "intermediate_size": args.intermediate_size}
+                 ffn: getattr(args, ffn)}
     for field, n in tp_fields.items():
         if n % tp:
             raise ValueError(f"tensor parallel size tp={tp} does not divide {field}={n}; valid tp "
@@ -103,6 +133,12 @@ def check_parallel(args: ModelArgs, tp: int, pp: int) -> None:
     if args.num_hidden_layers % pp:
         raise ValueError(f"pipeline parallel size pp={pp} does not divide num_hidden_layers="
                          f"{args.num_hidden_layers}; valid pp: {divisors(args.num_hidden_layers)}")
+    if ep > 1 and not args.is_moe:
+        raise ValueError(f"expert parallel size ep={ep} needs an MoE model; model_type={args.model_type!r} "
+                         f"is dense (valid ep: [1])")
+    if args.is_moe and args.num_experts % ep:
+        raise ValueError(f"expert parallel size ep={ep} does not divide num_experts={args.num_experts}; "
+                         f"valid ep: {divisors(args.num_experts)}")
 
 
 def stage_layers(args: ModelArgs, pp: int, pp_rank: int) -> range:
@@ -112,9 +148,9 @@ def stage_layers(args: ModelArgs, pp: int, pp_rank: int) -> range:
 
 
 def local_shapes(args: ModelArgs, tp: int, pp: int, tp_rank: int, pp_rank: int,
-                 vocab_multiple: int = 128) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of rank ``(tp_rank, pp_rank)``'s GPTModel with its local shape."""
-    check_parallel(args, tp, pp)
+                 vocab_multiple: int = 128, ep: int = 1, ep_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of rank ``(tp_rank, pp_rank, ep_rank)``'s GPTModel with its local shape."""
+    check_parallel(args, tp, pp, ep)
     full = mcore_mapping.mcore_shapes(args)
     shapes: dict[str, tuple[int, ...]] = {}
     vocab_rows = (padded_vocab(args.vocab_size, tp, vocab_multiple) // tp, args.hidden_size)
@@ -125,17 +161,29 @@ def local_shapes(args: ModelArgs, tp: int, pp: int, tp_rank: int, pp_rank: int,
         shapes[_FINAL_NORM] = full[_FINAL_NORM]
         if not args.tie_word_embeddings or not first:  # tied + PP > 1: the last stage's copy
             shapes[_OUT] = vocab_rows
+
+    def cut(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
+        if kind in ("qkv", "fc1"):
+            return (shape[0] // tp, *shape[1:])
+        if kind == "row":
+            return (shape[0], shape[1] // tp)
+        return shape
+
     for local, i in enumerate(stage_layers(args, pp, pp_rank)):
         for name, kind in _LAYER_KINDS.items():
             shape = full.get(f"decoder.layers.{i}.{name}")
-            if shape is None:  # qkv bias of a model without one
-                continue
-            if kind in ("qkv", "fc1"):
-                shape = (shape[0] // tp, *shape[1:])
-            elif kind == "row":
-                shape = (shape[0], shape[1] // tp)
-            shapes[f"decoder.layers.{local}.{name}"] = shape
+            if shape is not None:  # absent: qkv bias, q/k norm, dense MLP or router of another model
+                shapes[f"decoder.layers.{local}.{name}"] = cut(shape, kind)
+        for j, e in enumerate(local_experts(args, ep, ep_rank)):
+            for name, kind in _EXPERT_KINDS.items():
+                shapes[_expert_key(local, j, name)] = cut(full[_expert_key(i, e, name)], kind)
     return shapes
+
+
+def local_experts(args: ModelArgs, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts on EP rank ``ep_rank`` (empty for a dense model)."""
+    per = args.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -169,12 +217,13 @@ def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
 
 
 def shard_rank(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: int, tp_rank: int,
-               pp_rank: int, vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
-    """Local state dict of rank ``(tp_rank, pp_rank)`` from the full mcore dict (what each rank
-    loads). Row pieces may be views of ``full_sd``'s tensors: clone before changing them in place."""
-    check_parallel(args, tp, pp)
-    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
-        raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) is outside tp={tp} x pp={pp}")
+               pp_rank: int, vocab_multiple: int = 128, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Local state dict of rank ``(tp_rank, pp_rank, ep_rank)`` from the full mcore dict (what each
+    rank loads). Row pieces may be views of ``full_sd``'s tensors: clone before changing them in place."""
+    check_parallel(args, tp, pp, ep)
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp and 0 <= ep_rank < ep):
+        raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}, ep_rank={ep_rank}) is outside "
+                         f"tp={tp} x pp={pp} x ep={ep}")
     mcore_mapping.check_state_dict(full_sd, mcore_mapping.mcore_shapes(args), "full Megatron-core")
     vocab = padded_vocab(args.vocab_size, tp, vocab_multiple)
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -192,31 +241,42 @@ def shard_rank(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: i
             w = full_sd.get(f"decoder.layers.{i}.{name}")
             if w is not None:
                 out[f"decoder.layers.{local}.{name}"] = _cut(w, kind, tp, tp_rank)
+        for j, e in enumerate(local_experts(args, ep, ep_rank)):
+            for name, kind in _EXPERT_KINDS.items():
+                out[_expert_key(local, j, name)] = _cut(full_sd[_expert_key(i, e, name)], kind, tp, tp_rank)
     return out
 
 
 def shard(full_sd: dict[str, torch.Tensor], args: ModelArgs, tp: int, pp: int,
-          vocab_multiple: int = 128) -> dict[Rank, dict[str, torch.Tensor]]:
-    """Local state dicts of every rank, keyed ``(tp_rank, pp_rank)`` (see :func:`shard_rank`)."""
-    return {(t, p): shard_rank(full_sd, args, tp, pp, t, p, vocab_multiple)
-            for p in range(pp) for t in range(tp)}
+          vocab_multiple: int = 128, ep: int = 1) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Local state dicts of every rank, keyed ``(tp_rank, pp_rank)``, or ``(tp_rank, pp_rank,
+    ep_rank)`` when ``ep > 1`` (see :func:`shard_rank`)."""
+    return {_rank_key(t, p, e, ep): shard_rank(full_sd, args, tp, pp, t, p, vocab_multiple, ep, e)
+            for e in range(ep) for p in range(pp) for t in range(tp)}
 
 
 def merge(local_sds: dict[Rank, dict[str, torch.Tensor]], args: ModelArgs, tp: int, pp: int,
-          vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
-    """Full mcore state dict from every rank's local dict (``_extra_state`` entries ignored), the
-    vocab padding stripped. ``merge(shard(sd, ...), ...)`` is bitwise ``sd``."""
-    check_parallel(args, tp, pp)
-    ranks = {(t, p) for p in range(pp) for t in range(tp)}
+          vocab_multiple: int = 128, ep: int = 1) -> dict[str, torch.Tensor]:
+    """Full mcore state dict from every rank's local dict (keys as :func:`shard` gives them;
+    ``_extra_state`` entries ignored), the vocab padding stripped. ``merge(shard(sd, ...), ...)``
+    is bitwise ``sd``."""
+    check_parallel(args, tp, pp, ep)
+    ranks = {_rank_key(t, p, e, ep) for e in range(ep) for p in range(pp) for t in range(tp)}
     if set(local_sds) != ranks:
-        raise ValueError(f"merge needs the local state dicts of ranks (tp_rank, pp_rank) "
-                         f"{sorted(ranks)}; got {sorted(local_sds)}")
-    for (t, p), sd in local_sds.items():
-        mcore_mapping.check_state_dict(sd, local_shapes(args, tp, pp, t, p, vocab_multiple), f"rank "
-               f"(tp_rank={t}, pp_rank={p}) local")
+        names = "(tp_rank, pp_rank)" if ep == 1 else "(tp_rank, pp_rank, ep_rank)"
+        raise ValueError(f"merge needs the local state dicts of ranks {names} {sorted(ranks)}; "
+                         f"got {sorted(local_sds)}")
+    for rank, sd in local_sds.items():
+        t, p, e = (*rank, 0)[:3]
+        mcore_mapping.check_state_dict(sd, local_shapes(args, tp, pp, t, p, vocab_multiple, ep, e),
+                                       f"rank ({_rank_name(rank)}) local")
+    if ep > 1:
+        _check_ep_replicas(local_sds, tp, pp, ep)
+    # The dense part (everything but the experts) from EP rank 0: the other EP ranks hold copies.
+    dense = {(t, p): local_sds[_rank_key(t, p, 0, ep)] for p in range(pp) for t in range(tp)}
 
     def vocab_rows(pp_rank: int, key: str) -> torch.Tensor:
-        rows = torch.cat([local_sds[(t, pp_rank)][key] for t in range(tp)])
+        rows = torch.cat([dense[(t, pp_rank)][key] for t in range(tp)])
         # Clone a padded result: a view would keep (and torch.save would write) the padding.
         return rows if rows.shape[0] == args.vocab_size else rows[:args.vocab_size].clone()
 
@@ -227,27 +287,48 @@ def merge(local_sds: dict[Rank, dict[str, torch.Tensor]], args: ModelArgs, tp: i
     elif pp > 1:
         # The two copies of tied embeddings stay equal in training (their gradients are
         # all-reduced); a difference means the pieces are not from one model.
-        copy = torch.cat([local_sds[(t, last)][_OUT] for t in range(tp)])
-        first = torch.cat([local_sds[(t, 0)][_EMB] for t in range(tp)])
+        copy = torch.cat([dense[(t, last)][_OUT] for t in range(tp)])
+        first = torch.cat([dense[(t, 0)][_EMB] for t in range(tp)])
         if not torch.equal(copy, first):
             raise ValueError(f"tied embeddings: the last stage's copy ({_OUT} of pp_rank={last}) "
                              f"differs from {_EMB} of pp_rank=0")
-    out[_FINAL_NORM] = _replicated(local_sds, last, _FINAL_NORM, tp)
+    out[_FINAL_NORM] = _replicated(dense, last, _FINAL_NORM, tp)
     for p in range(pp):
         for local, i in enumerate(stage_layers(args, pp, p)):
             for name, kind in _LAYER_KINDS.items():
                 key = f"decoder.layers.{local}.{name}"
-                if key not in local_sds[(0, p)]:
+                if key not in dense[(0, p)]:
                     continue
                 if kind == "replicated":
-                    w = _replicated(local_sds, p, key, tp)
+                    w = _replicated(dense, p, key, tp)
                 else:
-                    w = _join([local_sds[(t, p)][key] for t in range(tp)], kind)
+                    w = _join([dense[(t, p)][key] for t in range(tp)], kind)
                 out[f"decoder.layers.{i}.{name}"] = w
+            for e in range(ep):
+                for j, g in enumerate(local_experts(args, ep, e)):
+                    for name, kind in _EXPERT_KINDS.items():
+                        pieces = [local_sds[_rank_key(t, p, e, ep)][_expert_key(local, j, name)] for t in range(tp)]
+                        out[_expert_key(i, g, name)] = _join(pieces, kind)
     return out
 
 
-def _replicated(local_sds: dict[Rank, dict[str, torch.Tensor]], pp_rank: int, key: str, tp: int) -> torch.Tensor:
+def _check_ep_replicas(local_sds: dict[Rank, dict[str, torch.Tensor]], tp: int, pp: int, ep: int) -> None:
+    """Every non-expert tensor of an EP rank > 0 equals EP rank 0's bitwise (the dense part and the
+    router are data-parallel replicas over EP: a difference means the pieces are not one model)."""
+    for p in range(pp):
+        for t in range(tp):
+            ref = local_sds[(t, p, 0)]
+            for e in range(1, ep):
+                for key, w in local_sds[(t, p, e)].items():
+                    if _EXPERTS in key or key.endswith("_extra_state"):
+                        continue
+                    if not torch.equal(w, ref[key]):
+                        raise ValueError(f"tensor {key} of (tp_rank={t}, pp_rank={p}) differs between "
+                                         f"ep_rank=0 and ep_rank={e} (only experts differ over EP)")
+
+
+def _replicated(local_sds: dict[tuple[int, int], dict[str, torch.Tensor]], pp_rank: int, key: str,
+                tp: int) -> torch.Tensor:
     """A replicated tensor's value, checked equal on every TP rank of stage ``pp_rank``."""
     w = local_sds[(0, pp_rank)][key]
     for t in range(1, tp):

@@ -55,6 +55,13 @@ _SHIMMED_MODULES = {
     # shape messages on ``torch.cuda.current_device()`` and synchronizes the device.
     "megatron.core.pipeline_parallel.schedules": "device='cuda' token counts",
     "megatron.core.pipeline_parallel.p2p_communication": "current_device, synchronize",
+    # MoE: TopKRouter.gating moves its weight to ``torch.cuda.current_device()`` on first forward.
+    "megatron.core.transformer.moe.router": "current_device",
+    # MoE: the all-to-all dispatcher creates a ``torch.cuda.Stream`` for its device-to-host copies
+    # of the split sizes and synchronises on its events (no-ops on CPU: copies are in order).
+    "megatron.core.transformer.moe.token_dispatcher": "cuda stream, events",
+    # MoE: _AllToAll (the EP token exchange) allocates its output on torch.cuda.current_device().
+    "megatron.core.tensor_parallel.mappings": "current_device in _AllToAll",
 }
 
 # Tensor factories whose ``device=`` the proxy maps from CUDA to CPU.
@@ -272,12 +279,62 @@ def _patch_tied_embedding_copy() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+class _Fp64SoftmaxTorch(_CpuTorch):
+    """``torch`` as seen by Megatron's ``moe_utils``: the CPU proxy, except that a float32 softmax
+    of a float64 tensor stays in float64 (see :func:`_patch_moe_router_fp64`)."""
+
+    @staticmethod
+    def softmax(input: torch.Tensor, dim: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype == torch.float32 and input.dtype == torch.float64:
+            dtype = None
+        return torch.softmax(input, dim, dtype=dtype)
+
+
+def _patch_moe_router_fp64() -> None:
+    """Megatron's softmax router (``moe_utils.topk_routing_with_score_function``) computes the
+    routing probabilities with ``torch.softmax(..., dtype=torch.float32)`` whatever the model
+    dtype, so an fp64 model routes with fp32-rounded weights and its logits differ from megarl's
+    fp64 ``CausalLM`` (whose router softmax runs in at least fp32, fp64 for fp64) by ~1e-8
+    instead of ~1e-15. fp64 is the dtype of the CPU exactness tests (DESIGN.md §2), so on CPU an
+    fp64 router keeps fp64; fp32 and bf16 models still route in fp32, exactly as on GPU. Not a
+    CUDA failure like the other patches: the one place where Megatron hard-codes a precision
+    below the model's."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not isinstance(moe_utils.torch, _Fp64SoftmaxTorch):
+        moe_utils.torch = _Fp64SoftmaxTorch()
+
+
+def _patch_moe_host_splits() -> None:
+    """The all-to-all token dispatcher fetches its split sizes with
+    ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which only converts CUDA tensors: on CPU the
+    sizes stay tensors and ``all_to_all_single`` rejects them (it takes sequences of ints; the
+    CUDA path hands it numpy arrays). Convert CPU tensors the same way. ``token_dispatcher``
+    imported the name directly, so it is rebound there."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(move, "_megarl_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy().copy()  # a host copy, as the CUDA path's non-blocking D2H gives
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megarl_cpu = True
+    maybe_move_tensor_to_cpu.__doc__ = move.__doc__
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
     _patch_clip_grads,
     _patch_moe_te_names,
     _patch_tied_embedding_copy,
+    _patch_moe_router_fp64,
+    _patch_moe_host_splits,
 ]
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ParallelDims:
-    """Parallel sizes and process groups of this process (later issues add EP/CP/VPP fields)."""
+    """Parallel sizes and process groups of this process (later issues add CP/VPP fields)."""
 
     world_size: int
     """Number of processes in the default group."""
@@ -55,6 +55,15 @@ class ParallelDims:
     """Device this rank computes on."""
     owns_process_group: bool = False
     """True when :func:`init_parallel` created the default process group (teardown destroys it)."""
+    ep: int = 1
+    """Expert-parallel size: the MoE experts are split over ``ep`` ranks of the data-parallel
+    dimension (dense weights stay replicated over them). The expert-tensor-parallel size is ``tp``."""
+    ep_group: dist.ProcessGroup | None = None
+    """Expert-parallel group of this rank (the ranks that hold the other experts of the same
+    layers); None only in a hand-built ``ParallelDims``."""
+    expt_dp_group: dist.ProcessGroup | None = None
+    """Expert-data-parallel group: the ranks holding the same experts (world / (tp*ep*pp) of them);
+    expert gradients are averaged over it, dense ones over ``dp_group``."""
 
     @property
     def tp_rank(self) -> int:
@@ -68,6 +77,10 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return dist.get_rank(self.dp_group)
 
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.ep_group is None else dist.get_rank(self.ep_group)
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -75,11 +88,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30) -> ParallelDims:
+def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1) -> ParallelDims:
     """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
-    Megatron's model-parallel state; return the groups as a :class:`ParallelDims`."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
+    Megatron's model-parallel state; return the groups as a :class:`ParallelDims`.
+
+    ``ep`` is the expert-parallel size (MoE models): Megatron lays out experts as
+    ``tp x ep x expert-dp x pp`` with expert-TP = ``tp``, so ``tp * ep * pp`` must divide the world."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"tp={tp}, pp={pp} and ep={ep} must be >= 1")
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -101,6 +117,9 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30) -> Parall
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % (tp * pp):
         raise ValueError(f"world_size={world} is not a multiple of tp*pp={tp * pp}")
+    if world % (tp * ep * pp):
+        raise ValueError(f"world_size={world} is not a multiple of tp*ep*pp={tp * ep * pp}: the expert-"
+                         f"parallel size ep={ep} must divide the data-parallel size {world // (tp * pp)}")
 
     cpu_compat.install()  # no-op with CUDA
     if ps.model_parallel_is_initialized():
@@ -108,6 +127,7 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30) -> Parall
     # Gloo side groups are only needed by the distributed optimizer's CPU paths; on CPU the
     # main groups already are gloo, so do not create a second copy of every group.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep,
                                  distributed_timeout_minutes=timeout_minutes,
                                  create_gloo_process_groups=cuda)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -116,8 +136,10 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30) -> Parall
         world_size=world, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp),
         tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
         backend=backend, device=device, owns_process_group=owns,
+        ep=ep, ep_group=pgs.ep, expt_dp_group=pgs.expt_dp,
     )
-    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d dp=%d", backend, world, tp, pp, dims.dp)
+    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d dp=%d ep=%d", backend, world, tp, pp,
+                dims.dp, ep)
     return dims
 
 

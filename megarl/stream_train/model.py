@@ -46,6 +46,8 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
 
     cpu = dims.device.type == "cpu"
     return TransformerConfig(
+        **_moe_config(args, dims),
+        qk_layernorm=args.qk_norm,
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.intermediate_size,
@@ -79,6 +81,53 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
     )
 
 
+def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
+    """TransformerConfig MoE fields reproducing HF's Qwen3-MoE / Mixtral routing (empty for a dense
+    model). Megatron's softmax router picks the top-k *logits* and softmaxes over those k when
+    ``moe_router_pre_softmax=False``: exp(l_i) / sum_topk exp(l_j), which is HF's softmax over all
+    experts renormalised over the top k (``norm_topk_prob=True``, Mixtral). With
+    ``moe_router_pre_softmax=True`` it softmaxes over all experts and keeps the top-k
+    probabilities as they are: ``norm_topk_prob=False``. No top-k scaling factor, no expert bias,
+    no capacity (dropless: every token reaches its k experts, as in HF), and the router computes
+    in the model dtype (``moe_router_dtype=None``), as HF's gate does."""
+    if not args.is_moe:
+        return {}
+    if dims.tp > 1:
+        # Megatron's MoE layer refuses to train with TP > 1 unless sequence parallelism splits
+        # the activations along the sequence, a layout gpt_logits and the trainer do not use.
+        raise ValueError(f"MoE models need tp=1 (got tp={dims.tp}): split the experts with expert "
+                         f"parallelism (ep) instead")
+    if args.num_experts_per_tok == 1 and args.norm_topk_prob:
+        # Megatron refuses post-softmax top-1 routing (its softmax over one logit has a zero
+        # gradient); pre-softmax top-1 does not renormalise, so it is not this model.
+        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=True is not supported by the Megatron "
+                         "trainer (Megatron's top-1 routing does not renormalise the weight to 1)")
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.num_experts_per_tok,
+        moe_ffn_hidden_size=args.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not args.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        # No load-balancing loss: the policy gradient is the whole loss, so EP and dense runs
+        # (and the HF model) train the same function; an aux loss would change the objective.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None,
+        moe_expert_capacity_factor=None,
+        # all-to-all over the EP group: each token goes only to the ranks of its experts (the
+        # allgather dispatcher sends every token to every EP rank); a variable-size
+        # all_to_all_single, which gloo implements as NCCL does.
+        moe_token_dispatcher_type="alltoall",
+        # SequentialMLP: one plain MLP per expert (local spec; no grouped-GEMM kernels on CPU).
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=dims.ep,
+    )
+
+
 def seed_megatron(seed: int, dims: ParallelDims) -> None:
     """Seed torch and Megatron's RNG tracker (which the attention forward always forks, even with
     dropout 0). Model init draws from the default generator, so the seed fixes the weights."""
@@ -92,12 +141,15 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     """Megatron ``GPTModel`` of this rank with the local (non-TE) layer spec: the pipeline stage
     ``dims.pp_rank`` (embedding on the first stage, final norm and output layer on the last) and
     the TP piece ``dims.tp_rank``, the vocab padded to ``mcore_sharding.padded_vocab`` (not padded
-    at TP=1). Megatron's own init, seeded by ``seed``, gives the initial weights."""
+    at TP=1); for an MoE model the router and this EP rank's ``num_experts / dims.ep`` experts
+    (``SequentialMLP``), with the q/k layernorms of Qwen3. Megatron's own init, seeded by
+    ``seed``, gives the initial weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    mcore_sharding.check_parallel(args, dims.tp, dims.pp)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mcore_sharding.check_parallel(args, dims.tp, dims.pp, dims.ep)
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts or None, moe_grouped_gemm=False,
+                                     qk_layernorm=args.qk_norm, normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
     # spec everywhere so that CPU and GPU runs share one module tree (and one name mapping).
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
