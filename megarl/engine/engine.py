@@ -16,18 +16,27 @@ One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (DESIGN.md 
 Every token is a function of (weights, prompt, seed, step, uid, sample_idx, position) only
 (DESIGN.md §2), so which requests share a batch never changes a response (up to the
 batch-invariance of the float reductions: exact in the float64 CPU tests).
+
+Tensor parallelism: given a ``TPCausalLM`` (megarl/engine/tp_model.py), every rank of the rollout
+group runs its own ``Engine`` over the same requests. The model's collectives hand every rank
+the same full logits, so the host-side decisions (tokens, stops, drafts, slots) are identical on
+all ranks and each rank's forwards meet the others' collectives in the same order. Only the KV
+cache differs: it holds the rank's own KV heads.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from megarl.engine.kv_cache import KVCache
 from megarl.engine.sampler import SamplingParams, token_stats
+from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models.llama import CausalLM
 from megarl.spec.verify import verify
 
@@ -142,7 +151,8 @@ class _Verified(NamedTuple):
 
 class Engine:
     """Generates responses for a list of requests with continuous batching, and with
-    speculative decoding when given a ``Speculator`` (megarl/spec)."""
+    speculative decoding when given a ``Speculator`` (megarl/spec). ``model`` is a ``CausalLM``
+    or, in a rollout group with TP > 1, this rank's ``TPCausalLM``."""
 
     def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int, spec=None):
         self.cfg, self.seed, self.spec = cfg, seed, spec
@@ -157,8 +167,11 @@ class Engine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()  # in place
         a = model.args
         self.vocab_size = a.vocab_size
+        tp = isinstance(model, TPCausalLM)
+        self.tp_size, self.tp_rank = (model.tp_size, model.tp_rank) if tp else (1, 0)
+        n_kv = model.local_args.num_key_value_heads if tp else a.num_key_value_heads  # this rank's KV heads
         self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
-                             a.num_key_value_heads, a.head_dim, self.dtype, self.device)
+                             n_kv, a.head_dim, self.dtype, self.device)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -170,10 +183,16 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], sliced: bool = False) -> None:
         """Copy HF-named tensors into the model in place, cast to the engine dtype. All names
         and shapes are checked before anything is copied. A ``lm_head.weight`` sent for a
-        tied-embedding model is ignored (HF checkpoints sometimes carry it)."""
+        tied-embedding model is ignored (HF checkpoints sometimes carry it).
+
+        With TP > 1, ``named`` holds the full tensors and each rank copies its own slice, or,
+        with ``sliced=True``, only this rank's pieces as ``tp_model.tp_slice`` cuts them (what a
+        per-rank weight sync sends)."""
+        if self.tp_size > 1 and not sliced:
+            named = tp_shard(named, self.tp_rank, self.tp_size)
         params = self.model.state_dict()
         names = set(named)
         if self.model.args.tie_word_embeddings:
@@ -195,6 +214,8 @@ class Engine:
         ``purpose`` tells the draft sources what the responses are: ``rollout`` (this step's
         samples: they become history) or ``bubble`` (see ``pregenerate``)."""
         self._validate(requests)
+        if self.tp_size > 1:
+            self._check_group_agrees(requests, step)
         seqs = [_Seq(i, r) for i, r in enumerate(requests)]
         waiting, running = deque(seqs), []
         bar = None
@@ -375,6 +396,19 @@ class Engine:
             if (r.uid, r.sample_idx) in seen:
                 raise ValueError(f"duplicate request key (uid={r.uid}, sample_idx={r.sample_idx})")
             seen.add((r.uid, r.sample_idx))
+
+    def _check_group_agrees(self, requests: list[Request], step: int) -> None:
+        """TP ranks must generate the same requests with the same seed and step: otherwise their
+        forwards pair up wrongly in the collectives (a hang or garbage). One tiny all-gather per
+        call turns that caller bug into an error on every rank."""
+        key = repr((self.seed, step, [(r.uid, r.sample_idx, r.prompt_ids, r.params) for r in requests]))
+        mine = torch.tensor([int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")],
+                            dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(every, mine, group=self.model.group)
+        if any(int(t) != int(mine) for t in every):
+            raise ValueError(f"generate: the ranks of the rollout TP group were given different requests, seeds "
+                             f"or steps (digests {[int(t) for t in every]}); every rank must pass the same ones")
 
     @staticmethod
     def _result(s: _Seq) -> Result:
