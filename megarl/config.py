@@ -26,8 +26,9 @@ class ModelConfig:
     init_from_hf: str | None = None
     """Local HF model folder (config.json + safetensors) to start from; the fields below are
     then ignored. None builds a fresh model from them (vocab size from the tokenizer)."""
-    model_type: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture family of a fresh model."""
+    model_type: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
+    """Architecture family of a fresh model (``qwen3_moe`` and ``mixtral`` are MoE: see the
+    ``num_experts`` fields)."""
     hidden_size: int = 64
     """Residual width of a fresh model."""
     intermediate_size: int = 192
@@ -44,6 +45,14 @@ class ModelConfig:
     """Whether a fresh model's LM head shares the embedding."""
     max_position_embeddings: int = 512
     """Longest prompt + response a fresh model is configured for."""
+    num_experts: int = 0
+    """Experts per MoE layer of a fresh ``qwen3_moe`` / ``mixtral`` model (0 for dense models)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k) in a fresh MoE model."""
+    moe_intermediate_size: int = 0
+    """SwiGLU width of each expert of a fresh MoE model (0: ``intermediate_size``)."""
+    norm_topk_prob: bool | None = None
+    """Renormalise the top-k router probabilities (None: the family's default, as in HF)."""
 
 
 @dataclass

@@ -88,6 +88,9 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
             num_key_value_heads=m.num_key_value_heads, rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings,
             model_type=m.model_type, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+            **({"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+                "moe_intermediate_size": m.moe_intermediate_size or m.intermediate_size,
+                "norm_topk_prob": m.norm_topk_prob} if m.num_experts else {}),
         )
         init_state = None
     if args.eos_token_id is None:

@@ -64,7 +64,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     if cfg.deterministic:
         set_deterministic()
     p = cfg.parallel
-    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp)
+    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep)
     try:
         layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
         if dims.rank == 0:

@@ -1,7 +1,7 @@
 """Worker for test_parallel_run.py: whole GRPO runs (``megarl.train.train``) under torchrun.
 
-argv = (out_dir, layout, [layout ...]); each layout is ``name=key=value,key=value`` of ``parallel``
-fields (e.g. ``tp2=trainer_tp=2``). The process group is created here, once, so that train()
+argv = (out_dir, run, [run ...]); each run is ``name=key=value,key=value`` of config overrides
+(e.g. ``tp2=parallel.trainer_tp=2``). The process group is created here, once, so that train()
 (which only tears down a group it created) can run every layout in one launch: starting
 processes and importing Megatron costs more than these runs. Each run writes RUN_DIR =
 out_dir/<name> (metrics.jsonl, hf/).
@@ -31,6 +31,11 @@ OVERRIDES = [
 ]
 
 
+# A Qwen3-MoE policy: 4 experts, top-2, renormalised.
+MOE = ("model.model_type=qwen3_moe,model.num_experts=4,model.num_experts_per_tok=2,"
+       "model.moe_intermediate_size=32,model.norm_topk_prob=true")
+
+
 def length_reward(problem, text: str) -> float:
     """Varies inside every group (unlike the task's reward for an untrained model): real updates."""
     return float(len(text) % 3)
@@ -38,7 +43,7 @@ def length_reward(problem, text: str) -> float:
 
 def run(out_dir: Path, spec: str) -> None:
     name, _, fields = spec.partition("=")
-    overrides = OVERRIDES + [f"parallel.{kv}" for kv in fields.split(",") if kv]
+    overrides = OVERRIDES + [kv for kv in fields.split(",") if kv]
     cfg = load_config(CONFIG, overrides)
     inputs = prepare_inputs(cfg)
     inputs.reward_fn = length_reward

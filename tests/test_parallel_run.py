@@ -1,7 +1,7 @@
 """Whole GRPO runs on several processes equal the single-process run of the same seed.
 
-One single-process run and one 4-process torchrun launch (DP=4; TP=2 x DP=2; PP=2 x DP=2;
-TP=2 x PP=2) of ``megarl.train.train`` (see parallel_run_worker.py): fp64, 3 RL steps with real
+Single-process runs (a dense and a Qwen3-MoE policy) and one 4-process torchrun launch (DP=4;
+TP=2 x DP=2; PP=2 x DP=2; TP=2 x PP=2; MoE with EP=2 x DP=4) of ``megarl.train.train`` (see parallel_run_worker.py): fp64, 3 RL steps with real
 updates. Every layout must sample the same tokens (the exactness contract: rollout replicas see
 other batches, the tokens do not change), log the same rewards and losses, and end with the same
 weights (issue bound 1e-6; fp64 gives ~1e-13)."""
@@ -11,17 +11,25 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.parallel_run_worker import MOE
 from tests.stream_train.launch import torchrun
 
 WORKER = Path(__file__).parent / "parallel_run_worker.py"
-LAYOUTS = {"dp4": "", "tp2": "trainer_tp=2", "pp2": "trainer_pp=2", "tp2pp2": "trainer_tp=2,trainer_pp=2"}
+# name: (overrides, the single-process run it must equal)
+LAYOUTS = {
+    "dp4": ("", "single"),
+    "tp2": ("parallel.trainer_tp=2", "single"),
+    "pp2": ("parallel.trainer_pp=2", "single"),
+    "tp2pp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2", "single"),
+    "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    torchrun(WORKER, 1, str(out), "single=")
-    torchrun(WORKER, 4, str(out), *(f"{name}={fields}" for name, fields in LAYOUTS.items()))
+    torchrun(WORKER, 1, str(out), "single=", f"moe_single={MOE}")
+    torchrun(WORKER, 4, str(out), *(f"{name}={fields}" for name, (fields, _) in LAYOUTS.items()))
     return out
 
 
@@ -32,7 +40,8 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_run_equals_single_process_run(runs, layout):
-    want, got = metrics(runs / "single"), metrics(runs / layout)
+    single = LAYOUTS[layout][1]
+    want, got = metrics(runs / single), metrics(runs / layout)
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         for key in ("reward_mean", "response_len_mean", "rollout_tokens", "zero_var_groups", "target_forwards"):
@@ -41,7 +50,7 @@ def test_layout_run_equals_single_process_run(runs, layout):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-6 * w["grad_norm"]  # Megatron sums it in fp32
         assert g["update_ok"] == 1.0
     assert sum(w["grad_norm"] for w in want) > 0.1 and any(w["zero_var_groups"] < 4 for w in want)  # real updates
-    ref = load_file(runs / "single" / "hf" / "model.safetensors")
+    ref = load_file(runs / single / "hf" / "model.safetensors")
     weights = load_file(runs / layout / "hf" / "model.safetensors")
     assert weights.keys() == ref.keys()
     diff = max((weights[k] - v).abs().max().item() for k, v in ref.items())

@@ -134,7 +134,7 @@ def seed_megatron(seed: int, dims: ParallelDims) -> None:
     from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=dims.tp_rank, ep_rank=0, etp_rank=0)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=dims.tp_rank, ep_rank=dims.ep_rank, etp_rank=0)
 
 
 def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -195,7 +195,8 @@ def load_state(model, local_sd: dict[str, torch.Tensor]) -> None:
 def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: ParallelDims) -> None:
     """Load this rank's piece of full HF-named weights into its stage/TP piece ``model``."""
     full = mcore_mapping.hf_to_mcore(hf_sd, args)
-    load_state(model, mcore_sharding.shard_rank(full, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank))
+    load_state(model, mcore_sharding.shard_rank(full, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank,
+                                                ep=dims.ep, ep_rank=dims.ep_rank))
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

@@ -285,25 +285,51 @@ class Trainer:
 
         Returns, on every rank, the summed ``loss``, the summed ``loss_fn`` metrics (summed over DP
         too), the pre-clip ``grad_norm`` and ``update_ok`` (False if the optimizer skipped the step)."""
-        if "input_ids" not in batch or "loss_mask" not in batch:
-            raise KeyError(f"train_step batch needs input_ids and loss_mask; got {sorted(batch)}")
+        self.begin_step()
+        self.accumulate(batch, loss_fn)
+        return self.finish_step()
+
+    def begin_step(self) -> None:
+        """Start accumulating the gradients of one optimizer step (see :meth:`accumulate`)."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._sums: dict[str, float] = {}
+
+    def accumulate(self, batch: dict[str, Any], loss_fn: LossFn) -> None:
+        """Forward and backward of ``batch`` (as in :meth:`train_step`), gradients added to the
+        step's; nothing is reduced across ranks yet. Stream training calls it once per finished
+        group while rollout goes on (megarl/stream_train/stream.py)."""
+        if "input_ids" not in batch or "loss_mask" not in batch:
+            raise KeyError(f"train_step batch needs input_ids and loss_mask; got {sorted(batch)}")
         mbs = list(_micro_batches(batch, self.cfg.micro_batch_size, _length_order(batch)))
-        outputs = self._forward_backward(mbs, loss_fn)  # grads finalized by the schedule
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.steps_done += 1
-        sums: dict[str, float] = {}
+        config = self.gpt.config
+        finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+        try:  # the schedule would finalize (all-reduce) after every call: finish_step does it once
+            outputs = self._forward_backward(mbs, loss_fn)
+        finally:
+            config.finalize_model_grads_func = finalize
         for res in outputs:
             for k, v in res.items():
-                sums[k] = sums.get(k, 0.0) + v
+                self._sums[k] = self._sums.get(k, 0.0) + v
+
+    def finish_step(self, scale: float = 1.0) -> dict[str, float]:
+        """Reduce the accumulated gradients (DP all-reduce, tied embeddings), multiply them and the
+        summed ``loss_fn`` metrics by ``scale``, take the optimizer step. ``scale`` is 1 when
+        ``loss_fn`` already divided by the step's count; stream training passes 1/count, the
+        count being known only once the step's last group is in (DESIGN.md §2)."""
+        self.gpt.config.finalize_model_grads_func([self.model])
+        if scale != 1.0:
+            self.model.scale_gradients(scale)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.steps_done += 1
+        sums = self._sums
         if self.dims.pp > 1:  # only the last stage ran loss_fn
             box = [sums]
             dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
                                        device=self.dims.device)
             sums = box[0]
-        out = self._all_reduce_sum(sums)
+        out = {k: v * scale for k, v in self._all_reduce_sum(sums).items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_ok"] = float(bool(update_ok))
         return out
@@ -323,11 +349,17 @@ class Trainer:
         local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.state_dict().items()
                  if not k.endswith("_extra_state")}
         dims = self.dims
-        if dims.tp == 1 and dims.pp == 1:
+        if dims.tp == 1 and dims.pp == 1 and dims.ep == 1:
             return local
-        pieces = [None] * (dims.tp * dims.pp)
-        dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank), local), group=dims.pg_collection.mp)
-        return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp)
+        if dims.ep == 1:
+            pieces = [None] * (dims.tp * dims.pp)
+            dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank), local), group=dims.pg_collection.mp)
+            return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp)
+        # With EP the expert pieces sit on other data-parallel ranks: gather from the whole world
+        # and keep one copy of each (tp, pp, ep) piece (DP replicas hold equal ones).
+        pieces = [None] * dims.world_size
+        dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank, dims.ep_rank), local))
+        return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp, ep=dims.ep)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under HF names, in the model dtype, on CPU, on every rank
