@@ -47,7 +47,13 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
         raise ValueError(f"parallel.placement={p.placement!r}: the training loop runs colocated only so far "
                          f"(disaggregated layouts are checked and their groups built, but the trainer "
                          f"sub-world is not); valid choice: 'colocated'")
-    check_parallel(args, p.trainer_tp, p.trainer_pp)
+    check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep)
+    if cfg.stream_train and (p.trainer_tp, p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, 1, 1):
+        raise ValueError(f"stream_train=true needs parallel.trainer_tp = trainer_pp = trainer_ep = rollout_tp = 1 "
+                         f"(got {p.trainer_tp}, {p.trainer_pp}, {p.trainer_ep}, {p.rollout_tp}): each process "
+                         f"trains the groups it generated, as soon as they finish, and a model-parallel trainer "
+                         f"would need other processes' groups mid-rollout; use data parallelism only, or "
+                         f"stream_train=false")
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if seqs < layout.trainer_dp:
         raise ValueError(f"rollout.prompts_per_step * group_size = {seqs} sequences per step cannot give each of "

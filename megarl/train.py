@@ -23,7 +23,7 @@ from megarl.parallel.layout import Layout, RolloutGroups, create_rollout_groups
 from megarl.parallel.weight_sync import sync_weights
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
-from megarl.rl.update import grpo_update
+from megarl.rl.update import StreamUpdate, grpo_update
 from megarl.setup_run import RunInputs, check_layout, prepare_inputs
 from megarl.spec.speculator import Speculator
 from megarl.stream_train.trainer import Trainer
@@ -32,7 +32,8 @@ from megarl.utils.fs import atomic_write_text
 log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
-TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s")
+TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
+             "stream_train_time_s")
 
 
 class RunDirError(ValueError):
@@ -116,7 +117,10 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     for step in bar:
         t0 = time.perf_counter()
         uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
-        groups = rollout.run(uids, step)
+        stream = StreamUpdate(trainer, cfg, inputs, ref) if cfg.stream_train else None
+        if stream is not None:
+            stream.begin()
+        groups = rollout.run(uids, step, on_group=stream.add_group if stream is not None else None)
         rollout_metrics = rollout.metrics(groups)
         t1 = time.perf_counter()
         if cfg.spec.enabled and cfg.spec.bubble_pregen and step + 1 < cfg.rl_steps:
@@ -124,7 +128,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             rollout_metrics["bubble_tokens"] = rollout.pregenerate(
                 prompt_uids_for_step(step + 1, cfg, len(inputs.problems)), step + 1)
         t_bubble = time.perf_counter()
-        metrics = grpo_update(trainer, groups, cfg, inputs, ref)
+        metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
         t2 = time.perf_counter()
         metrics.update(sync_weights(trainer, engine))
         metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,

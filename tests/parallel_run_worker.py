@@ -4,7 +4,7 @@ argv = (out_dir, run, [run ...]); each run is ``name=key=value,key=value`` of co
 (e.g. ``tp2=parallel.trainer_tp=2``). The process group is created here, once, so that train()
 (which only tears down a group it created) can run every layout in one launch: starting
 processes and importing Megatron costs more than these runs. Each run writes RUN_DIR =
-out_dir/<name> (metrics.jsonl, hf/).
+out_dir/<name> (metrics.jsonl, hf/, and hf0.safetensors: the starting weights).
 
 The run is tiny and fp64 (trainer and engine), with no SFT and a reward that varies within every
 group (the response length mod 3), so each of the RL steps really updates the weights."""
@@ -18,8 +18,12 @@ import torch.distributed as dist
 
 warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
 
+from safetensors.torch import save_file  # noqa: E402
+
 from megarl.config import load_config  # noqa: E402
+from megarl.models.init_weights import init_hf_state  # noqa: E402
 from megarl.setup_run import prepare_inputs  # noqa: E402
+from megarl.stream_train.model import parse_dtype  # noqa: E402
 from megarl.train import train  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
@@ -48,6 +52,9 @@ def run(out_dir: Path, spec: str) -> None:
     inputs = prepare_inputs(cfg)
     inputs.reward_fn = length_reward
     train(cfg, out_dir / name, inputs=inputs)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the starting weights, for the test
+        save_file(init_hf_state(inputs.args, cfg.seed, parse_dtype(cfg.trainer.dtype)),
+                  str(out_dir / name / "hf0.safetensors"))
 
 
 def main(out_dir: str, *specs: str) -> None:

@@ -46,6 +46,13 @@ def test_ill_typed_values(tmp_path):
         load_config(None, ["progress=3"])
     with pytest.raises(ConfigError, match="rollout.group_size must be >= 1"):
         load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match="trainer.lr: expected a number, got 'fast'"):
+        load_config(None, ["trainer.lr=fast"])
+
+
+def test_exponent_floats_without_a_dot():
+    # YAML 1.1 (PyYAML) reads 1e-5 as a string; a float field must still take it.
+    assert load_config(None, ["trainer.lr=1e-5"]).trainer.lr == 1e-5
 
 
 def test_missing_config_file(tmp_path):
@@ -54,5 +61,5 @@ def test_missing_config_file(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("tiny", "smoke"):
+    for name in ("tiny", "smoke", "tp2", "pp2", "dp2", "moe_ep2"):
         load_config(f"configs/{name}.yaml")

@@ -15,6 +15,8 @@ from tests.parallel_run_worker import MOE
 from tests.stream_train.launch import torchrun
 
 WORKER = Path(__file__).parent / "parallel_run_worker.py"
+# fp32 training and rollout at an RL-sized learning rate: the issue's bound (1e-6) for stream training.
+F32 = "trainer.dtype=float32,rollout.dtype=float32,trainer.lr=1e-5"
 # name: (overrides, the single-process run it must equal)
 LAYOUTS = {
     "dp4": ("", "single"),
@@ -22,13 +24,22 @@ LAYOUTS = {
     "pp2": ("parallel.trainer_pp=2", "single"),
     "tp2pp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2", "single"),
     "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
+    "dp4_stream": ("stream_train=true", "single"),
+    "dp4_stream32": (F32 + ",stream_train=true", "single32"),
 }
+# Single-process runs: the references, and stream training in one process.
+SINGLE = {"single": "", "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
+          "stream32": F32 + ",stream_train=true"}
+# Tolerance on the final weights against the reference: fp64 runs differ by rounding only; the
+# fp32 runs use a learning rate of RL's scale (Adam turns rounding noise in gradients that are
+# ~0 in exact arithmetic, e.g. of the k bias, into updates of up to lr * noise / eps).
+TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    torchrun(WORKER, 1, str(out), "single=", f"moe_single={MOE}")
+    torchrun(WORKER, 1, str(out), *(f"{name}={fields}" for name, fields in SINGLE.items()))
     torchrun(WORKER, 4, str(out), *(f"{name}={fields}" for name, (fields, _) in LAYOUTS.items()))
     return out
 
@@ -38,20 +49,24 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "stream", "stream32"])
 def test_layout_run_equals_single_process_run(runs, layout):
-    single = LAYOUTS[layout][1]
+    """Every layout, and stream training (which trains each group as it finishes and normalises
+    by the final count), ends where the plain single-process run of the same seed ends."""
+    single = LAYOUTS[layout][1] if layout in LAYOUTS else {"stream": "single", "stream32": "single32"}[layout]
     want, got = metrics(runs / single), metrics(runs / layout)
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         for key in ("reward_mean", "response_len_mean", "rollout_tokens", "zero_var_groups", "target_forwards"):
             assert g[key] == w[key], (layout, g["step"], key)  # identical samples
-        assert abs(g["loss"] - w["loss"]) <= 1e-12
-        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-6 * w["grad_norm"]  # Megatron sums it in fp32
+        assert abs(g["loss"] - w["loss"]) <= 1e-6 * max(1.0, abs(w["loss"]))
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"]  # Megatron sums it in fp32
         assert g["update_ok"] == 1.0
     assert sum(w["grad_norm"] for w in want) > 0.1 and any(w["zero_var_groups"] < 4 for w in want)  # real updates
     ref = load_file(runs / single / "hf" / "model.safetensors")
     weights = load_file(runs / layout / "hf" / "model.safetensors")
     assert weights.keys() == ref.keys()
     diff = max((weights[k] - v).abs().max().item() for k, v in ref.items())
-    assert diff <= 1e-9, (layout, diff)
+    moved = max((ref[k] - v).abs().max().item() for k, v in load_file(runs / single / "hf0.safetensors").items())
+    assert moved > 10 * TOL[single], (single, moved)  # the steps changed the weights: the bound means something
+    assert diff <= TOL[single], (layout, diff)

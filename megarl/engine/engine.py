@@ -29,7 +29,7 @@ import hashlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -208,11 +208,13 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[Request], step: int, progress: bool = False,
-                 purpose: str = "rollout") -> list[Result]:
+                 purpose: str = "rollout", on_finish: Callable[[int, Result], None] | None = None) -> list[Result]:
         """Responses for ``requests`` (same order), sampled with RL step ``step``'s noise.
 
         ``purpose`` tells the draft sources what the responses are: ``rollout`` (this step's
-        samples: they become history) or ``bubble`` (see ``pregenerate``)."""
+        samples: they become history) or ``bubble`` (see ``pregenerate``). ``on_finish(i, result)``
+        is called for request ``i`` as soon as it finishes, between engine iterations and outside
+        inference mode (stream training runs its forward/backward there)."""
         self._validate(requests)
         if self.tp_size > 1:
             self._check_group_agrees(requests, step)
@@ -232,6 +234,11 @@ class Engine:
                 n_done = self.postprocess(batch, out, running)
                 if bar is not None:
                     bar.update(n_done)
+                if n_done and on_finish is not None:
+                    with torch.inference_mode(False):
+                        for s in batch.seqs:
+                            if s.finish_reason is not None:  # finished now: retired, never seen again
+                                on_finish(s.index, self._result(s))
         if bar is not None:
             bar.close()
         results = [self._result(s) for s in seqs]

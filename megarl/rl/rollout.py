@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -73,9 +74,23 @@ class RolloutStage:
         return [Request(uid=u, sample_idx=i, prompt_ids=tok.encode(self.inputs.problems[u].prompt), params=self.params)
                 for u in uids for i in range(g)]
 
-    def run(self, uids: list[int], step: int) -> list[Group]:
+    def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None) -> list[Group]:
+        """Every group of ``uids`` (all replicas'). ``on_group(group)`` is called, in this process,
+        for each group of this replica as soon as its last sample finishes (stream training)."""
         self.engine.reset_stats()
-        results = self.engine.generate(self.requests(self._mine(uids)), step=step)
+        mine = self._mine(uids)
+        on_finish = None
+        if on_group is not None:
+            g = self.cfg.rollout.group_size
+            pending = {k: [None] * g for k in range(len(mine))}
+
+            def on_finish(i: int, result: Result) -> None:
+                k = i // g  # requests are grouped by prompt: request i is sample i % g of prompt k
+                pending[k][i % g] = result
+                if all(r is not None for r in pending[k]):
+                    on_group(self.groups([mine[k]], pending.pop(k))[0])
+
+        results = self.engine.generate(self.requests(mine), step=step, on_finish=on_finish)
         self.engine_forwards = self.engine.stats["forwards"]
         if self.replicas > 1:
             shares = [None] * self.replicas

@@ -1,7 +1,16 @@
-"""The training half of a GRPO step: advantages, old/ref logprobs, one optimizer step."""
+"""The training half of a GRPO step: advantages, old/ref logprobs, one optimizer step.
+
+Two ways to feed it, same update (DESIGN.md §2): :func:`grpo_update` takes the step's groups once
+rollout is over; :class:`StreamUpdate` takes each group as soon as it finishes (stream training)
+and runs its forward/backward then, while this process's other requests are still generating,
+and takes the optimizer step once the step's last group is in.
+"""
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from megarl.config import RunConfig
 from megarl.rl.batching import dp_rows, make_batch
@@ -39,3 +48,68 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
     out = trainer.train_step(batch, loss_fn)
     out["adv_abs_mean"] = float(adv.abs().mean())
     return out
+
+
+class StreamUpdate:
+    """Stream training of one RL step (``stream_train: true``): each finished group of this
+    process's rollout replica is trained at once (``Trainer.accumulate``), rows of a group
+    together; the optimizer step comes in :meth:`finish`, when every group is in.
+
+    Normalisation by the step's final count: a group's loss is its masked token sum (normaliser
+    1), and :meth:`finish` multiplies the summed gradients by 1 / (response tokens of the whole
+    step, over every data-parallel rank), which is known only then. One update per step means
+    the old policy is the current one: the old logprobs are this very forward's, detached (the
+    non-streamed path computes them in a separate forward: equal up to rounding).
+
+    Each process trains the groups it generated, so the trainer's data-parallel ranks must be the
+    rollout replicas: trainer TP = PP = EP = 1 and rollout TP = 1 (checked at start).
+    """
+
+    def __init__(self, trainer, cfg: RunConfig, inputs, ref=None):
+        self.trainer, self.cfg, self.inputs, self.ref = trainer, cfg, inputs, ref
+        self.tokens = 0.0
+        self.groups = 0
+        self.seconds = 0.0  # spent training inside rollout
+
+    def begin(self) -> None:
+        self.trainer.begin_step()
+        self.tokens, self.groups, self.seconds = 0.0, 0, 0.0
+
+    def add_group(self, group) -> None:
+        t0 = time.perf_counter()
+        g = self.cfg.rollout.group_size
+        adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float32), g,
+                               normalize_std=self.cfg.grpo.normalize_std)
+        batch = make_batch([r.prompt_ids for r in group.results], [r.tokens for r in group.results],
+                           self.inputs.tokenizer.pad_id)
+        batch["advantages"] = adv
+        if self.ref is not None:
+            batch["ref_logprobs"] = ref_token_logprobs(self.ref, batch["input_ids"])
+        c = self.cfg.grpo
+
+        def loss_fn(logprobs, mb):
+            return grpo_loss(logprobs, logprobs.detach(), mb["advantages"], mb["loss_mask"], 1.0,
+                             clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef,
+                             ref_logprobs=mb.get("ref_logprobs"))
+
+        self.trainer.accumulate(batch, loss_fn)
+        self.tokens += float(batch["loss_mask"].sum())
+        self.groups += 1
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, groups) -> dict[str, float]:
+        """The optimizer step, once ``groups`` (every replica's groups of the step) are all in."""
+        dims = self.trainer.dims
+        count = torch.tensor([self.tokens, float(self.groups)], dtype=torch.float64, device=dims.device)
+        if dims.dp > 1:
+            dist.all_reduce(count, group=dims.dp_group)
+        tokens, n_groups = count.tolist()
+        if n_groups != len(groups):
+            raise RuntimeError(f"stream training trained {int(n_groups)} groups over the data-parallel ranks but "
+                               f"the step has {len(groups)}: every group must be trained exactly once")
+        out = self.trainer.finish_step(scale=1.0 / max(tokens, 1.0))
+        rewards = torch.tensor([x for grp in groups for x in grp.rewards], dtype=torch.float32)
+        adv = group_advantages(rewards, self.cfg.rollout.group_size, normalize_std=self.cfg.grpo.normalize_std)
+        out["adv_abs_mean"] = float(adv.abs().mean())
+        out["stream_train_time_s"] = self.seconds
+        return out
