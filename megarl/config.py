@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 
 from megarl.parallel.layout import ParallelConfig
+from megarl.parallel.watchdog import WatchdogConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
@@ -164,6 +165,9 @@ class RunConfig:
     """Supervised warm-up."""
     spec: SpecConfig = field(default_factory=SpecConfig)
     """Speculative rollouts (exact: they change speed, never samples)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Failure detection across processes: a process that dies, hangs or raises ends every
+    process of the run (non-zero exit, naming the rank and the cause) instead of a hang."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Process layout: trainer TP/PP/EP (DP is what is left of the world), rollout TP, placement.
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""

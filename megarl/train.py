@@ -20,6 +20,7 @@ from megarl.models.hf_io import save_hf_model
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.layout import Layout, RolloutGroups, create_rollout_groups
+from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import sync_weights
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
@@ -67,10 +68,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     p = cfg.parallel
     dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep)
     try:
-        layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
-        if dims.rank == 0:
-            log.info("process layout: %s", layout.describe())
-        return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout)
+        # Inside the try: the watchdog stops (a store barrier) before the process group goes.
+        with RankWatchdog(cfg.watchdog):
+            layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
+            if dims.rank == 0:
+                log.info("process layout: %s", layout.describe())
+            return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout)
     finally:
         shutdown_distributed(dims)
 
