@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from megarl.config import RunConfig
+from megarl.engine.tp_model import check_tp
 from megarl.models.config import ModelArgs
 from megarl.models.hf_io import load_hf_state_dict, read_hf_config
 from megarl.models.mcore_sharding import check_parallel
@@ -48,6 +49,8 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
                          f"(disaggregated layouts are checked and their groups built, but the trainer "
                          f"sub-world is not); valid choice: 'colocated'")
     check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep)
+    if p.rollout_tp > 1:
+        check_tp(args, p.rollout_tp)
     if cfg.stream_train and (p.trainer_tp, p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, 1, 1):
         raise ValueError(f"stream_train=true needs parallel.trainer_tp = trainer_pp = trainer_ep = rollout_tp = 1 "
                          f"(got {p.trainer_tp}, {p.trainer_pp}, {p.trainer_ep}, {p.rollout_tp}): each process "

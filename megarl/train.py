@@ -16,12 +16,13 @@ from tqdm.auto import tqdm
 from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_checkpoint
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine, EngineConfig
+from megarl.engine.tp_model import TPCausalLM
 from megarl.models.hf_io import save_hf_model
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.layout import Layout, RolloutGroups, create_rollout_groups
 from megarl.parallel.watchdog import RankWatchdog
-from megarl.parallel.weight_sync import sync_weights
+from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
 from megarl.rl.update import StreamUpdate, grpo_update
@@ -82,7 +83,9 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
            layout: Layout) -> list[dict]:
     rank0 = dims.rank == 0
     trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
-    engine = Engine(CausalLM(inputs.args), EngineConfig(
+    # Rollout TP: this process's rollout group runs the engine's model tensor-parallel.
+    policy = TPCausalLM(inputs.args, groups.tp_group) if layout.cfg.rollout_tp > 1 else CausalLM(inputs.args)
+    engine = Engine(policy, EngineConfig(
         max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
         dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
         spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
@@ -111,7 +114,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                               f"resume with grpo.kl_coef=0")
         ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
         ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
-    sync_weights(trainer, engine)
+    weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb)
+    weight_sync()
     rollout = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
                            dp_group=groups.dp_group)
     history = []
@@ -133,7 +137,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         t_bubble = time.perf_counter()
         metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
         t2 = time.perf_counter()
-        metrics.update(sync_weights(trainer, engine))
+        metrics.update(weight_sync())
         metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,
                        train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0)
         history.append(metrics)

@@ -1,7 +1,8 @@
 """Whole GRPO runs on several processes equal the single-process run of the same seed.
 
 Single-process runs (a dense and a Qwen3-MoE policy) and one 4-process torchrun launch (DP=4;
-TP=2 x DP=2; PP=2 x DP=2; TP=2 x PP=2; MoE with EP=2 x DP=4) of ``megarl.train.train`` (see parallel_run_worker.py): fp64, 3 RL steps with real
+TP=2 x DP=2; PP=2 x DP=2; TP=2 x PP=2; MoE with EP=2 x DP=4; rollout TP=2 with trainer DP=4 and TP2 x PP2; stream
+training) of ``megarl.train.train`` (see parallel_run_worker.py): fp64, 3 RL steps with real
 updates. Every layout must sample the same tokens (the exactness contract: rollout replicas see
 other batches, the tokens do not change), log the same rewards and losses, and end with the same
 weights (issue bound 1e-6; fp64 gives ~1e-13)."""
@@ -24,6 +25,8 @@ LAYOUTS = {
     "pp2": ("parallel.trainer_pp=2", "single"),
     "tp2pp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2", "single"),
     "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
+    "rtp2": ("parallel.rollout_tp=2", "single"),  # rollout TP=2 (2 rollout groups), trainer DP=4
+    "tp2pp2_rtp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2,parallel.rollout_tp=2", "single"),
     "dp4_stream": ("stream_train=true", "single"),
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
 }

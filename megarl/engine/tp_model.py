@@ -11,7 +11,8 @@ HF tensor                                           split     rank ``r`` holds
                                                               ``r*Hkv/tp ..`` (rows are head-major)
 ``gate_proj`` / ``up_proj`` weight                  column    rows ``r*I/tp ..``
 ``o_proj`` / ``down_proj`` weight                   row       the matching input columns
-``embed_tokens`` / ``lm_head`` weight               vocab     rows ``r*V/tp ..`` of the vocab
+``embed_tokens`` / ``lm_head`` weight               vocab     rows ``r*c .. min((r+1)*c, V)``,
+                                                              ``c = ceil(V/tp)`` (:func:`vocab_range`)
 norms (Qwen3 ``q_norm``/``k_norm`` too),           --        a full copy
 ``o_proj.bias``
 ==================================================  ========  ===================================
@@ -23,7 +24,7 @@ order; attention needs no communication and the KV cache holds the local KV head
 Collectives per forward: one all-reduce (sum) after each row-parallel linear (``o_proj``,
 ``down_proj``; their bias is added once, after the sum), one for the embedding, and one
 all-gather of the logits. The embedding is vocab-parallel rather than replicated: a tied model
-then keeps one ``[V/tp, h]`` slice for both embedding and LM head (a replicated embedding would
+then keeps one ``[~V/tp, h]`` slice for both embedding and LM head (a replicated embedding would
 cost a full ``[V, h]`` copy per rank), every vocab-sized tensor is cut by the same rule (one
 slicing rule for the weight sync), and the lookup's all-reduce is exact (each element is the
 sum of one row value and zeros), so embeddings match TP=1 bit for bit.
@@ -63,7 +64,17 @@ _REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight", "sel
 # Dense model types: MoE layers would need their experts sharded (expert parallelism), not this.
 _DENSE_TYPES = ("llama", "qwen2", "qwen3")
 _VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-_TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+_TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first row, rows) of rank ``tp_rank``'s vocab slice: pieces of ``ceil(V/tp)`` rows, the
+    last one shorter when ``tp`` does not divide ``V``. Uneven pieces instead of padding keep the
+    HF tensors' shapes (a tokenizer's vocab, e.g. 27 characters, rarely divides by tp); only the
+    logits gather pads, to equal-size messages."""
+    c = -(-vocab_size // tp_size)
+    start = min(tp_rank * c, vocab_size)
+    return start, min(c, vocab_size - start)
 
 
 def tp_divisors(args: ModelArgs) -> list[int]:
@@ -84,6 +95,9 @@ def check_tp(args: ModelArgs, tp_size: int) -> None:
         if n % tp_size:
             raise ValueError(f"rollout tensor parallel size tp={tp_size} does not divide {name}={n}; valid tp "
                              f"(dividing {', '.join(_TP_FIELDS)}): {tp_divisors(args)}")
+    if vocab_range(args.vocab_size, tp_size - 1, tp_size)[1] < 1:
+        raise ValueError(f"rollout tensor parallel size tp={tp_size} leaves the last rank no rows of "
+                         f"vocab_size={args.vocab_size} (pieces of ceil(V/tp) rows); use a smaller tp")
 
 
 def tp_split(name: str) -> str:
@@ -110,6 +124,9 @@ def tp_slice(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch
     kind = tp_split(name)
     if kind == "replicated" or tp_size == 1:
         return full
+    if kind == "vocab":
+        start, rows = vocab_range(full.shape[0], tp_rank, tp_size)
+        return full.narrow(0, start, rows)
     dim = 1 if kind == "row" else 0
     n = full.shape[dim]
     if n % tp_size:
@@ -173,13 +190,15 @@ class TPCausalLM(CausalLM):
         local = dataclasses.replace(
             args, num_attention_heads=args.num_attention_heads // tp_size,
             num_key_value_heads=args.num_key_value_heads // tp_size,
-            intermediate_size=args.intermediate_size // tp_size, vocab_size=args.vocab_size // tp_size)
+            intermediate_size=args.intermediate_size // tp_size,
+            vocab_size=vocab_range(args.vocab_size, tp_rank, tp_size)[1])
         super().__init__(local)  # column-parallel linears and the LM head are plain local linears
         self.args, self.local_args = args, local
         self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
         h = args.hidden_size
-        self.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, h, tp_rank * local.vocab_size,
-                                                         group, tp_size)
+        self.vocab_start = vocab_range(args.vocab_size, tp_rank, tp_size)[0]
+        self.vocab_piece = vocab_range(args.vocab_size, 0, tp_size)[1]  # ceil(V/tp): every rank's message
+        self.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, h, self.vocab_start, group, tp_size)
         for layer in self.model.layers:
             layer.self_attn.o_proj = RowParallelLinear(local.num_attention_heads * args.head_dim, h, args.o_bias,
                                                        group, tp_size)
@@ -192,6 +211,8 @@ class TPCausalLM(CausalLM):
         local = F.linear(hidden, self.lm_head_weight).contiguous()
         if self.tp_size == 1:
             return local
+        if local.shape[-1] < self.vocab_piece:  # the short last piece: pad to equal-size messages
+            local = F.pad(local, (0, self.vocab_piece - local.shape[-1]))
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1)[..., :self.args.vocab_size]

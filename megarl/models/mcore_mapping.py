@@ -230,3 +230,35 @@ def mcore_to_hf(mcore_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str,
         for mc, (gate, up) in fc1.items():
             out[gate], out[up] = mcore_sd[mc].chunk(2, dim=0)
     return out
+
+
+def mcore_to_hf_names(args: ModelArgs) -> dict[str, tuple[str, ...]]:
+    """For every full Megatron-core tensor name of ``args``'s model, the HF names it becomes, in
+    order: ``(q, k, v)`` for ``linear_qkv``, ``(gate, up)`` for ``linear_fc1``, one name otherwise
+    (the name map of :func:`mcore_to_hf`, for converting one tensor at a time)."""
+    out = {mc: (name,) for name, mc in _global_renames(args).items()}
+    for i in range(args.num_hidden_layers):
+        renames, qkv, fc1 = _layer_names(args, i)
+        out.update({mc: (name,) for name, mc in renames.items()})
+        p = f"model.layers.{i}.self_attn."
+        for kind in (("weight", "bias") if args.qkv_bias else ("weight",)):
+            out[qkv + kind] = tuple(p + f"{n}.{kind}" for n in ("q_proj", "k_proj", "v_proj"))
+        out.update({mc: names for mc, names in fc1.items()})
+    return out
+
+
+def mcore_tensor_to_hf(name: str, tensor: torch.Tensor, args: ModelArgs,
+                       hf_names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """One full Megatron-core tensor -> its HF-named tensors, as :func:`mcore_to_hf` converts it
+    (bitwise). ``hf_names``: its entry of :func:`mcore_to_hf_names` (looked up when None; pass it
+    when converting many tensors). The q/k/v of a fused qkv are copies; the rest are views."""
+    if hf_names is None:
+        hf_names = mcore_to_hf_names(args).get(name)
+        if hf_names is None:
+            raise KeyError(f"{name!r} is not a Megatron-core tensor name of this model")
+    if ".self_attention.linear_qkv." in name:
+        return dict(zip(hf_names, _split_qkv(tensor, args)))
+    if name.endswith("linear_fc1.weight"):
+        return dict(zip(hf_names, tensor.chunk(2, dim=0)))
+    (hf_name,) = hf_names
+    return {hf_name: tensor}

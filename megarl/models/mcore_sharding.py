@@ -62,6 +62,8 @@ bitwise equal: a difference means the pieces do not come from one model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megarl.models import mcore_mapping
@@ -336,3 +338,92 @@ def _replicated(local_sds: dict[tuple[int, int], dict[str, torch.Tensor]], pp_ra
             raise ValueError(f"replicated tensor {key} of pp_rank={pp_rank} differs between "
                              f"tp_rank=0 and tp_rank={t}")
     return w
+
+
+# ---------------------------------------------------------------------- per-tensor plan (weight sync)
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """One tensor of a rank's GPTModel piece and the full tensor it is cut from (:func:`local_plan`)."""
+
+    name: str
+    """Full (TP=1, PP=1, EP=1) Megatron name: global layer and expert numbers."""
+    kind: str
+    """How TP cuts it (module table): ``vocab``, ``qkv``, ``fc1``, ``row`` or ``replicated``."""
+    shape: tuple[int, ...]
+    """Local shape on every TP rank of the stage (vocab pieces include their padding rows)."""
+    full_shape: tuple[int, ...]
+    """Shape of the full tensor (vocab padding stripped)."""
+    tied_copy: bool = False
+    """True for the last stage's copy of tied embeddings (``output_layer.weight`` with PP > 1):
+    it holds stage 0's ``embedding.word_embeddings.weight``, so ``name`` is that."""
+
+
+def local_plan(args: ModelArgs, tp: int, pp: int, pp_rank: int, vocab_multiple: int = 128, ep: int = 1,
+               ep_rank: int = 0) -> dict[str, LocalTensor]:
+    """Every tensor name of the GPTModel piece of stage ``pp_rank`` and EP rank ``ep_rank`` (any
+    TP rank: the TP pieces of a stage have equal shapes), in :func:`local_shapes` order, with the
+    full tensor it is cut from. Lets a rank find, without any communication, which full tensor
+    every other rank's piece belongs to (the weight sync plans its buckets from it)."""
+    shapes = local_shapes(args, tp, pp, 0, pp_rank, vocab_multiple, ep, ep_rank)
+    full = mcore_mapping.mcore_shapes(args)
+    layers = stage_layers(args, pp, pp_rank)
+    experts = local_experts(args, ep, ep_rank)
+    plan: dict[str, LocalTensor] = {}
+    for local, shape in shapes.items():
+        if local in (_EMB, _OUT):
+            tied_copy = local == _OUT and args.tie_word_embeddings
+            name = _EMB if tied_copy else local
+            plan[local] = LocalTensor(name, "vocab", shape, full[name], tied_copy)
+            continue
+        if local == _FINAL_NORM:
+            plan[local] = LocalTensor(local, "replicated", shape, full[local])
+            continue
+        layer, rest = local[len("decoder.layers."):].split(".", 1)
+        i = layers[int(layer)]
+        if rest.startswith(_EXPERTS):
+            j, sub = rest[len(_EXPERTS):].split(".", 1)
+            name = _expert_key(i, experts[int(j)], sub)
+            kind = _EXPERT_KINDS[sub]
+        else:
+            name, kind = f"decoder.layers.{i}.{rest}", _LAYER_KINDS[rest]
+        plan[local] = LocalTensor(name, kind, shape, full[name])
+    return plan
+
+
+def join_pieces(pieces: list[torch.Tensor], kind: str, full_shape: tuple[int, ...],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of ``kind`` from all TP ranks' pieces (in rank order), vocab padding
+    stripped: the inverse of :func:`shard_rank` for one tensor. Written into ``out`` (of
+    ``full_shape``) when given; otherwise a new tensor, except where the full tensor is one piece
+    (TP=1, or a replicated tensor: ``pieces[0]`` itself is returned)."""
+    full_shape = tuple(full_shape)
+    if kind == "vocab":
+        if len(pieces) == 1 and tuple(pieces[0].shape) == full_shape:
+            joined = pieces[0]
+        else:
+            out = pieces[0].new_empty(full_shape) if out is None else out
+            row = 0
+            for p in pieces:  # the padding rows are the last ones: stop once the vocab is full
+                n = min(p.shape[0], full_shape[0] - row)
+                if n <= 0:
+                    break
+                out[row:row + n].copy_(p[:n])
+                row += n
+            return out
+    elif kind == "replicated" or len(pieces) == 1:
+        joined = pieces[0]
+    elif kind in ("qkv", "row"):
+        dim = 0 if kind == "qkv" else 1
+        return torch.cat(pieces, dim=dim, out=out) if out is not None else torch.cat(pieces, dim=dim)
+    elif kind == "fc1":
+        halves = [p.chunk(2, dim=0) for p in pieces]  # [gate_k; up_k] per rank
+        parts = [h[0] for h in halves] + [h[1] for h in halves]
+        return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
+    else:
+        raise ValueError(f"join_pieces: kind={kind!r}; valid choices: ['vocab', 'qkv', 'fc1', 'row', 'replicated']")
+    if tuple(joined.shape) != full_shape:
+        raise ValueError(f"join_pieces: a {kind} piece of shape {tuple(joined.shape)} is not the full "
+                         f"shape {full_shape}")
+    return joined if out is None else out.copy_(joined)

@@ -43,6 +43,10 @@ class ParallelConfig:
     """Tensor-parallel size of one rollout group (divides attention heads and KV heads)."""
     rollout_ranks: int = 0
     """Processes that only generate (``disaggregated``; must be 0 when ``colocated``)."""
+    weight_sync_bucket_mb: float = 64.0
+    """Size of the buffers in which the weights go from the trainer's pieces to the rollout
+    engines after each optimizer step (megarl/parallel/weight_sync.py): the extra memory of a
+    sync is about one bucket."""
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -50,6 +54,8 @@ class ParallelConfig:
         for name in ("trainer_tp", "trainer_pp", "trainer_ep", "rollout_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} is invalid; valid range: >= 1")
+        if not self.weight_sync_bucket_mb > 0:
+            raise ValueError(f"parallel.weight_sync_bucket_mb={self.weight_sync_bucket_mb} is invalid; valid range: > 0")
         if self.placement == "colocated" and self.rollout_ranks != 0:
             raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks} needs placement=disaggregated "
                              f"(colocated runs generate on every process: set rollout_ranks=0)")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.engine.tp_model import check_tp, tp_divisors, tp_shard, tp_slice, tp_split
+from megarl.engine.tp_model import check_tp, tp_divisors, tp_shard, tp_slice, tp_split, vocab_range
 from megarl.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from megarl.models.llama import CausalLM, attention
 from tests.stream_train.launch import torchrun
@@ -58,8 +58,9 @@ def test_divisibility_errors_name_the_field_and_valid_sizes():
         check_tp(args, 4)
     with pytest.raises(ValueError, match=r"tp=2 does not divide intermediate_size=63; .*: \[1\]"):
         check_tp(ModelArgs(**{**ARGS, "intermediate_size": 63}), 2)
-    with pytest.raises(ValueError, match=r"tp=2 does not divide vocab_size=41; .*: \[1\]"):
-        check_tp(ModelArgs(**{**ARGS, "vocab_size": 41}), 2)
+    check_tp(ModelArgs(**{**ARGS, "vocab_size": 41}), 2)  # uneven vocab pieces are fine
+    with pytest.raises(ValueError, match=r"tp=2 leaves the last rank no rows of vocab_size=1"):
+        check_tp(ModelArgs(**{**ARGS, "vocab_size": 1}), 2)
     with pytest.raises(ValueError, match="tp=0 is invalid"):
         check_tp(args, 0)
     args.model_type = "mixtral"  # (set after validation: only the TP check is under test)
@@ -69,8 +70,17 @@ def test_divisibility_errors_name_the_field_and_valid_sizes():
         tp_slice("model.layers.0.self_attn.qkv.weight", torch.zeros(4, 4), 0, 2)
     with pytest.raises(ValueError, match="tp_rank=2 is invalid for tp_size=2"):
         tp_slice("lm_head.weight", torch.zeros(4, 4), 2, 2)
-    with pytest.raises(ValueError, match="lm_head.weight has 5 entries along dim 0, not divisible by tp_size=2"):
-        tp_slice("lm_head.weight", torch.zeros(5, 4), 0, 2)
+    with pytest.raises(ValueError, match="q_proj.weight has 5 entries along dim 0, not divisible by tp_size=2"):
+        tp_slice("model.layers.0.self_attn.q_proj.weight", torch.zeros(5, 4), 0, 2)
+
+
+def test_uneven_vocab_pieces_cover_the_vocab_once():
+    for v, tp, want in ((40, 2, [20, 20]), (41, 2, [21, 20]), (27, 4, [7, 7, 7, 6]), (10, 3, [4, 4, 2])):
+        ranges = [vocab_range(v, r, tp) for r in range(tp)]
+        assert [n for _, n in ranges] == want
+        assert [s for s, _ in ranges] == [sum(want[:r]) for r in range(tp)]
+    full = torch.arange(41 * 2).view(41, 2)
+    assert torch.equal(torch.cat([tp_slice("lm_head.weight", full, r, 2) for r in range(2)]), full)
 
 
 def test_tp2_logits_and_tokens_equal_tp1():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
-from megarl.engine.tp_model import TPCausalLM, tp_shard, tp_slice
+from megarl.engine.tp_model import TPCausalLM, tp_shard, tp_slice, vocab_range
 from megarl.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from megarl.models.llama import CausalLM
 from megarl.spec.config import SpecConfig
@@ -29,7 +29,7 @@ from megarl.spec.speculator import Speculator
 BASE = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, eos_token_id=1)
 VARIANTS = {"qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
-            "llama_untied": dict(model_type="llama"),
+            "llama_untied": dict(model_type="llama", vocab_size=41),  # uneven vocab pieces: 21 + 20 rows
             "llama_bias": dict(model_type="llama", attention_bias=True)}
 if "qwen3" in SUPPORTED_ARCHITECTURES.values():  # Qwen3 support in megarl.models is newer than this test
     VARIANTS["qwen3"] = dict(model_type="qwen3")
@@ -41,7 +41,7 @@ def reference_model(variant: str) -> CausalLM:
     vary (a tied N(0, 1) embedding mostly repeats the last token) and EOS made rare so that
     responses run to their length limit often, with siblings to draft from."""
     torch.manual_seed(0)
-    model = CausalLM(ModelArgs(**BASE, **VARIANTS[variant])).double()
+    model = CausalLM(ModelArgs(**{**BASE, **VARIANTS[variant]})).double()
     with torch.no_grad():
         for name, p in model.named_parameters():  # random biases and norm gains: every tensor matters
             if p.dim() == 1:
@@ -75,11 +75,11 @@ def check_logits(group, solo, rank: int) -> None:
         tp.load_state_dict(tp_shard(ref.state_dict(), rank, 2))
         assert tp.model.layers[0].self_attn.q_proj.weight.shape == (2 * 8, 32)  # 2 of 4 query heads
         assert tp.model.layers[0].self_attn.k_proj.weight.shape == (8, 32)  # 1 of 2 KV heads
-        assert tp.model.embed_tokens.weight.shape == (20, 32)  # half the vocab
+        assert tp.model.embed_tokens.weight.shape == (vocab_range(ref.args.vocab_size, rank, 2)[1], 32)
         with torch.no_grad():
             h_ref, h_tp = ref.hidden_states(ids), tp.hidden_states(ids)
             l_ref, l_tp = ref.logits(h_ref), tp.logits(h_tp)
-        assert l_tp.shape == l_ref.shape == (2, 7, 40)
+        assert l_tp.shape == l_ref.shape == (2, 7, ref.args.vocab_size)
         dh, dl = (h_tp - h_ref).abs().max().item(), (l_tp - l_ref).abs().max().item()
         assert dh < 1e-12 and dl < 1e-12, (variant, dh, dl)
         if rank == 0:
