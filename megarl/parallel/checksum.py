@@ -14,7 +14,7 @@ import torch
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
 
-_P = 2 ** 31 - 1  # prime modulus of the position-weighted sums
+MODULUS = 2 ** 31 - 1  # prime modulus of the position-weighted sums
 _MAX_TERMS = 1 << 16  # int32 partial sums of at most 2^16 int16 values cannot overflow
 _BLOCK = 1 << 22  # elements reduced at once on the large-tensor path (bounds CPU temporaries)
 
@@ -47,7 +47,7 @@ def byte_checksum(t: torch.Tensor) -> torch.Tensor:
     depends on the bytes and the shape only (not on the strides)."""
     x = _int_view(t)
     rows_n, cols_n = x.shape
-    if rows_n >= _P or cols_n >= _P:
+    if rows_n >= MODULUS or cols_n >= MODULUS:
         raise ValueError(f"byte_checksum: shape {tuple(t.shape)} has 2^31 or more rows or columns")
     if rows_n <= _MAX_TERMS and cols_n <= _MAX_TERMS and rows_n * cols_n <= _BLOCK:
         sums = torch.cat([x.sum(1, dtype=torch.int32), x.sum(0, dtype=torch.int32)]).long()
@@ -63,7 +63,7 @@ def byte_checksum(t: torch.Tensor) -> torch.Tensor:
                 cols[c0:c0 + _MAX_TERMS] += part.sum(0, dtype=torch.int32)
     weights = torch.arange(1, rows_n + cols_n + 1, dtype=torch.int64, device=x.device)
     weights[rows_n:] -= rows_n  # rows weighted 1..rows, columns 1..cols
-    weighted = sums.remainder(_P).mul_(weights).remainder_(_P)
+    weighted = sums.remainder(MODULUS).mul_(weights).remainder_(MODULUS)
     return torch.stack([sums[:rows_n].sum(), weighted[:rows_n].sum(), weighted[rows_n:].sum()])
 
 

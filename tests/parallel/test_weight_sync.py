@@ -11,7 +11,8 @@ import torch
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.models.init_weights import init_hf_state
-from megarl.parallel.weight_sync import _P, byte_checksum, plan_buckets, weight_checksum
+from megarl.parallel.checksum import MODULUS, byte_checksum, weight_checksum
+from megarl.parallel.weight_sync import plan_buckets
 from tests.stream_train.conftest import tiny_args
 from tests.stream_train.launch import torchrun
 
@@ -25,7 +26,7 @@ def reference_checksum(t: torch.Tensor) -> list[int]:
     x = t.reshape(-1).contiguous().view(torch.uint8 if half == 1 else torch.int16).long().reshape(-1, cols)
     rows, cols = x.sum(1), x.sum(0)
     wr, wc = torch.arange(1, rows.numel() + 1), torch.arange(1, cols.numel() + 1)
-    return [int(rows.sum()), int(((rows % _P) * wr % _P).sum()), int(((cols % _P) * wc % _P).sum())]
+    return [int(rows.sum()), int(((rows % MODULUS) * wr % MODULUS).sum()), int(((cols % MODULUS) * wc % MODULUS).sum())]
 
 
 # ------------------------------------------------------------------ checksum
