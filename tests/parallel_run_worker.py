@@ -46,12 +46,21 @@ def length_reward(problem, text: str) -> float:
 
 
 def run(out_dir: Path, spec: str) -> None:
+    """One run; the pseudo-override ``resume_at=K`` stops it after step K (a checkpoint there)
+    and resumes it from that checkpoint to the end."""
     name, _, fields = spec.partition("=")
-    overrides = OVERRIDES + [kv for kv in fields.split(",") if kv]
+    fields = [kv for kv in fields.split(",") if kv]
+    resume_at = [int(kv.split("=")[1]) for kv in fields if kv.startswith("resume_at=")]
+    overrides = OVERRIDES + [kv for kv in fields if not kv.startswith("resume_at=")]
     cfg = load_config(CONFIG, overrides)
     inputs = prepare_inputs(cfg)
     inputs.reward_fn = length_reward
-    train(cfg, out_dir / name, inputs=inputs)
+    if resume_at:
+        first = load_config(CONFIG, overrides + [f"rl_steps={resume_at[0]}", f"checkpoint_every={resume_at[0]}"])
+        train(first, out_dir / name, inputs=inputs)  # its checkpoint is in place on return, on every rank
+        train(cfg, out_dir / name, resume=True, inputs=inputs)
+    else:
+        train(cfg, out_dir / name, inputs=inputs)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the starting weights, for the test
         save_file(init_hf_state(inputs.args, cfg.seed, parse_dtype(cfg.trainer.dtype)),
                   str(out_dir / name / "hf0.safetensors"))

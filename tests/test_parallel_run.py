@@ -27,6 +27,8 @@ LAYOUTS = {
     "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
     "rtp2": ("parallel.rollout_tp=2", "single"),  # rollout TP=2 (2 rollout groups), trainer DP=4
     "tp2pp2_rtp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2,parallel.rollout_tp=2", "single"),
+    # Sharded checkpoints (one file per TP x PP piece): stopped after step 2, resumed to step 3.
+    "tp2pp2_resumed": ("parallel.trainer_tp=2,parallel.trainer_pp=2,resume_at=2", "single"),
     "dp4_stream": ("stream_train=true", "single"),
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
 }
@@ -58,7 +60,7 @@ def test_layout_run_equals_single_process_run(runs, layout):
     by the final count), ends where the plain single-process run of the same seed ends."""
     single = LAYOUTS[layout][1] if layout in LAYOUTS else {"stream": "single", "stream32": "single32"}[layout]
     want, got = metrics(runs / single), metrics(runs / layout)
-    assert len(got) == len(want) == 3
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
     for g, w in zip(got, want):
         for key in ("reward_mean", "response_len_mean", "rollout_tokens", "zero_var_groups", "target_forwards"):
             assert g[key] == w[key], (layout, g["step"], key)  # identical samples
