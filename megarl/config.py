@@ -142,8 +142,8 @@ class RunConfig:
     """Stream training: train each GRPO group as soon as its last sample finishes, while the rest
     of the step still generates; the optimizer step waits for the step's last group and the loss
     is normalised by the step's final token count, so the update is the same as without it
-    (megarl/rl/update.py ``StreamUpdate``). Needs trainer TP = PP = EP = 1 and rollout TP = 1:
-    each process trains the groups it generated."""
+    (megarl/rl/update.py ``StreamUpdate``). Needs trainer PP = EP = 1 and rollout TP = trainer
+    TP: each trainer replica trains the groups its own rollout group generated."""
     deterministic: bool = True
     """Use torch's deterministic algorithms: runs repeat bit for bit and a resumed run reproduces
     the uninterrupted one (on CPU some backward kernels, e.g. embedding gradients, otherwise

@@ -51,12 +51,13 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep)
     if p.rollout_tp > 1:
         check_tp(args, p.rollout_tp)
-    if cfg.stream_train and (p.trainer_tp, p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, 1, 1):
-        raise ValueError(f"stream_train=true needs parallel.trainer_tp = trainer_pp = trainer_ep = rollout_tp = 1 "
-                         f"(got {p.trainer_tp}, {p.trainer_pp}, {p.trainer_ep}, {p.rollout_tp}): each process "
-                         f"trains the groups it generated, as soon as they finish, and a model-parallel trainer "
-                         f"would need other processes' groups mid-rollout; use data parallelism only, or "
-                         f"stream_train=false")
+    if cfg.stream_train and (p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, p.trainer_tp):
+        raise ValueError(f"stream_train=true needs parallel.trainer_pp = trainer_ep = 1 and rollout_tp = trainer_tp "
+                         f"(got trainer_pp={p.trainer_pp}, trainer_ep={p.trainer_ep}, rollout_tp={p.rollout_tp}, "
+                         f"trainer_tp={p.trainer_tp}): each trainer replica trains the groups its own rollout group "
+                         f"generated, as soon as they finish, so a trainer's TP group must be a rollout group (and "
+                         f"pipeline stages or expert all-to-alls would need other replicas' groups mid-rollout); "
+                         f"or use stream_train=false")
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if seqs < layout.trainer_dp:
         raise ValueError(f"rollout.prompts_per_step * group_size = {seqs} sequences per step cannot give each of "

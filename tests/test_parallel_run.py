@@ -31,6 +31,8 @@ LAYOUTS = {
     "tp2pp2_resumed": ("parallel.trainer_tp=2,parallel.trainer_pp=2,resume_at=2", "single"),
     "dp4_stream": ("stream_train=true", "single"),
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
+    # Stream training with a TP=2 trainer whose TP groups are the rollout groups (DP=2).
+    "tp2_rtp2_stream": ("parallel.trainer_tp=2,parallel.rollout_tp=2,stream_train=true", "single"),
 }
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "moe_single": MOE, "single32": F32, "stream": "stream_train=true",

@@ -61,8 +61,10 @@ class StreamUpdate:
     the old policy is the current one: the old logprobs are this very forward's, detached (the
     non-streamed path computes them in a separate forward: equal up to rounding).
 
-    Each process trains the groups it generated, so the trainer's data-parallel ranks must be the
-    rollout replicas: trainer TP = PP = EP = 1 and rollout TP = 1 (checked at start).
+    Each trainer replica trains the groups its own rollout group generated, so the trainer's TP
+    group must be a rollout group: trainer PP = EP = 1 and rollout TP = trainer TP (checked at
+    start). The TP ranks of a rollout group make identical decisions, so they finish each group at
+    the same engine iteration and run its forward/backward together.
     """
 
     def __init__(self, trainer, cfg: RunConfig, inputs, ref=None):
