@@ -20,7 +20,7 @@ from megarl.engine.tp_model import TPCausalLM
 from megarl.models.hf_io import save_hf_model
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
-from megarl.parallel.layout import Layout, RolloutGroups, create_rollout_groups
+from megarl.parallel.layout import Layout, RolloutGroups, check_trainer_groups, create_rollout_groups
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
@@ -72,6 +72,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
         # Inside the try: the watchdog stops (a store barrier) before the process group goes.
         with RankWatchdog(cfg.watchdog):
             layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
+            check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
             if dims.rank == 0:
                 log.info("process layout: %s", layout.describe())
             return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout)

@@ -187,3 +187,20 @@ def create_rollout_groups(layout: Layout) -> RolloutGroups:
         if rank in ranks:
             dp_group = g
     return RolloutGroups(tp_group, dp_group, index)
+
+
+def check_trainer_groups(layout: Layout, tp_group, pp_group, dp_group) -> None:
+    """Raise unless this rank's trainer groups (as Megatron-core built them) are the ones the
+    layout computed. The rollout groups, the data split and stream training rely on the layout's
+    rank order (e.g. a trainer's TP group being a rollout group); a Megatron-core whose rank order
+    differs must fail here, at start, not mis-assign data."""
+    rank = dist.get_rank()
+    for name, group, expected in (("tp", tp_group, layout.trainer_tp_groups()),
+                                  ("pp", pp_group, layout.trainer_pp_groups()),
+                                  ("dp", dp_group, layout.trainer_dp_groups())):
+        got = dist.get_process_group_ranks(group)
+        want = next(g for g in expected if rank in g)
+        if got != want:
+            raise RuntimeError(f"rank {rank}: Megatron-core's trainer {name} group is {got}, the layout expects "
+                               f"{want} ({layout.describe()}); the installed megatron-core orders ranks "
+                               f"differently from megarl/parallel/layout.py")
