@@ -1,4 +1,4 @@
-"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``.
+"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``.
 
 Bad input (config keys, missing files, malformed data) ends with one ``megarl: error: ...``
 line and exit status 2; no traceback, nothing written.
@@ -15,7 +15,7 @@ from megarl.utils.dataclass_config import ConfigError
 
 log = logging.getLogger("megarl")
 
-USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=18,
                    help="RL steps to run (default 18: history drafts exist from the second epoch on, "
                         "i.e. after len(prompts)/prompts_per_step steps)")
+
+    from megarl.checkpoint.convert import add_convert_parser
+
+    add_convert_parser(sub)
 
     p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
     p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
@@ -103,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             _generate(args)
+            return 0
+        if args.command == "convert":
+            from megarl.checkpoint.convert import run_convert
+
+            run_convert(args)
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":

@@ -262,3 +262,16 @@ def mcore_tensor_to_hf(name: str, tensor: torch.Tensor, args: ModelArgs,
         return dict(zip(hf_names, tensor.chunk(2, dim=0)))
     (hf_name,) = hf_names
     return {hf_name: tensor}
+
+
+def hf_tensors_to_mcore(name: str, tensors: tuple[torch.Tensor, ...], args: ModelArgs) -> torch.Tensor:
+    """The inverse of :func:`mcore_tensor_to_hf`: the HF tensors of Megatron tensor ``name`` (in
+    :func:`mcore_to_hf_names` order) -> that tensor, as :func:`hf_to_mcore` builds it (bitwise).
+    Also builds a TP piece of ``linear_qkv`` / ``linear_fc1`` from the matching row ranges of the HF
+    tensors when ``args`` carries that piece's head counts (whole KV-head groups per piece)."""
+    if ".self_attention.linear_qkv." in name:
+        return _fuse_qkv(*tensors, args)
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat(tensors, dim=0)
+    (tensor,) = tensors
+    return tensor
