@@ -9,12 +9,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from megarl.config import RunConfig
 from megarl.engine.tp_model import check_tp
 from megarl.models.config import ModelArgs
-from megarl.models.hf_io import load_hf_state_dict, read_hf_config
+from megarl.checkpoint.convert import check_hf_weights
+from megarl.checkpoint.safetensors_stream import LazyTensors
+from megarl.models.hf_io import read_hf_config, safetensors_files
 from megarl.models.mcore_sharding import check_parallel
 from megarl.parallel.layout import Layout
 from megarl.rl.data import exact_answer_reward, load_jsonl_prompts
@@ -29,8 +29,9 @@ class RunInputs:
     """The prompt set, indexed by uid."""
     reward_fn: Callable[[Problem, str], float]
     args: ModelArgs
-    init_hf_state: dict[str, torch.Tensor] | None
-    """HF-named starting weights, or None for a fresh init from the seed."""
+    init_from_hf: str | None
+    """HF folder of the starting weights (checked here; each trainer rank later reads only its
+    own piece), or None for a fresh init from the seed."""
     task: AdditionTask | None
     """The synthetic task (for SFT solutions), None for JSONL data."""
     layout: Layout | None = None
@@ -86,7 +87,10 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     if cfg.model.init_from_hf:
         hf_cfg = read_hf_config(cfg.model.init_from_hf)
         args = ModelArgs.from_hf_config(hf_cfg)
-        init_state = load_hf_state_dict(cfg.model.init_from_hf, dtype=torch.float32)
+        # Names, shapes and dtypes from the file headers: bad weights fail here, before anything is
+        # written; the tensors themselves are read per rank by the trainer.
+        with LazyTensors(safetensors_files(cfg.model.init_from_hf)) as src:
+            check_hf_weights(src, args)
         if args.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model.init_from_hf vocab_size={args.vocab_size} is smaller than the tokenizer's "
                              f"{tokenizer.vocab_size}")
@@ -102,11 +106,10 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                 "moe_intermediate_size": m.moe_intermediate_size or m.intermediate_size,
                 "norm_topk_prob": m.norm_topk_prob} if m.num_experts else {}),
         )
-        init_state = None
     if args.eos_token_id is None:
         args.eos_token_id = tokenizer.eos_id
     if task is None and cfg.sft.steps > 0:
         raise ValueError("sft.steps must be 0 with data.source=jsonl: SFT trains on the synthetic task's "
                          "worked solutions (data.source=addition)")
     return RunInputs(tokenizer=tokenizer, problems=problems, reward_fn=reward_fn, args=args,
-                     init_hf_state=init_state, task=task, layout=check_layout(cfg, args))
+                     init_from_hf=cfg.model.init_from_hf, task=task, layout=check_layout(cfg, args))

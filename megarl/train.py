@@ -83,7 +83,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
            layout: Layout) -> list[dict]:
     rank0 = dims.rank == 0
-    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_state=inputs.init_hf_state, seed=cfg.seed)
+    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf, seed=cfg.seed)
     # Rollout TP: this process's rollout group runs the engine's model tensor-parallel.
     policy = TPCausalLM(inputs.args, groups.tp_group) if layout.cfg.rollout_tp > 1 else CausalLM(inputs.args)
     engine = Engine(policy, EngineConfig(

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
 
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megarl.config import load_config  # noqa: E402
 from megarl.models.init_weights import init_hf_state  # noqa: E402
@@ -62,8 +62,9 @@ def run(out_dir: Path, spec: str) -> None:
     else:
         train(cfg, out_dir / name, inputs=inputs)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the starting weights, for the test
-        save_file(init_hf_state(inputs.args, cfg.seed, parse_dtype(cfg.trainer.dtype)),
-                  str(out_dir / name / "hf0.safetensors"))
+        start = (load_file(Path(cfg.model.init_from_hf) / "model.safetensors") if cfg.model.init_from_hf
+                 else init_hf_state(inputs.args, cfg.seed, parse_dtype(cfg.trainer.dtype)))
+        save_file(start, str(out_dir / name / "hf0.safetensors"))
 
 
 def main(out_dir: str, *specs: str) -> None:

@@ -33,21 +33,24 @@ LAYOUTS = {
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
     # Stream training with a TP=2 trainer whose TP groups are the rollout groups (DP=2).
     "tp2_rtp2_stream": ("parallel.trainer_tp=2,parallel.rollout_tp=2,stream_train=true", "single"),
+    # Starting from a HF folder (the single run's export): each trainer rank reads only its piece.
+    "from_hf_tp2pp2": ("model.init_from_hf={out}/single/hf,parallel.trainer_tp=2,parallel.trainer_pp=2",
+                       "from_hf_single"),
 }
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
-          "stream32": F32 + ",stream_train=true"}
+          "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf"}
 # Tolerance on the final weights against the reference: fp64 runs differ by rounding only; the
 # fp32 runs use a learning rate of RL's scale (Adam turns rounding noise in gradients that are
 # ~0 in exact arithmetic, e.g. of the k bias, into updates of up to lr * noise / eps).
-TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6}
+TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1e-9}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    torchrun(WORKER, 1, str(out), *(f"{name}={fields}" for name, fields in SINGLE.items()))
-    torchrun(WORKER, 4, str(out), *(f"{name}={fields}" for name, (fields, _) in LAYOUTS.items()))
+    torchrun(WORKER, 1, str(out), *(f"{name}={fields.format(out=out)}" for name, fields in SINGLE.items()))
+    torchrun(WORKER, 4, str(out), *(f"{name}={fields.format(out=out)}" for name, (fields, _) in LAYOUTS.items()))
     return out
 
 

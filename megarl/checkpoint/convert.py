@@ -165,6 +165,32 @@ def _read_piece_tensor(src: LazyTensors, lt: ms.LocalTensor, hf_names: tuple[str
                                             src.rows(v, tp_rank * nkv * d, (tp_rank + 1) * nkv * d)), local)
 
 
+def check_hf_weights(src: LazyTensors, args: ModelArgs) -> torch.dtype:
+    """Raise naming the tensor unless the HF files hold exactly ``args``'s tensors (a redundant
+    tied ``lm_head`` equal to the embedding is tolerated) in one dtype; return that dtype."""
+    extra_lm_head = args.tie_word_embeddings and "lm_head.weight" in src.where
+    _check_names_shapes(src, mm.hf_shapes(args), "HF", skip=("lm_head.weight",) if extra_lm_head else ())
+    dtype = _single_dtype({n: src.dtype(n) for n in src.where}, "HF")
+    if extra_lm_head and not torch.equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
+        raise ValueError("tied model (tie_word_embeddings=True): lm_head.weight is present and differs "
+                         "from model.embed_tokens.weight")
+    return dtype
+
+
+def read_hf_piece(hf_dir: str | os.PathLike, args: ModelArgs, tp: int, pp: int, tp_rank: int, pp_rank: int,
+                  ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Rank (tp_rank, pp_rank, ep_rank)'s Megatron piece straight from the HF folder, reading only
+    the bytes it holds (what a trainer rank loads at start: no rank materialises the whole model).
+    Equal to ``mcore_sharding.shard_rank`` of the full mapped state dict."""
+    ms.check_parallel(args, tp, pp, ep)
+    _check_moe_tp(args, tp)
+    with LazyTensors(safetensors_files(Path(hf_dir))) as src:
+        check_hf_weights(src, args)
+        names = mm.mcore_to_hf_names(args)
+        plan = ms.local_plan(args, tp, pp, pp_rank, ep=ep, ep_rank=ep_rank)
+        return {local: _read_piece_tensor(src, lt, names[lt.name], args, tp, tp_rank) for local, lt in plan.items()}
+
+
 def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, ep: int = 1,
                 force: bool = False, progress: bool = True) -> ConvertReport:
     """Convert the HF folder ``hf_dir`` into the per-rank layout (module docstring) at ``out``."""
@@ -176,12 +202,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
     _check_moe_tp(args, tp)
     _check_out(out, force, hf_dir)
     with LazyTensors(safetensors_files(hf_dir)) as src:
-        extra_lm_head = args.tie_word_embeddings and "lm_head.weight" in src.where
-        _check_names_shapes(src, mm.hf_shapes(args), "HF", skip=("lm_head.weight",) if extra_lm_head else ())
-        dtype = _single_dtype({n: src.dtype(n) for n in src.where}, "HF")
-        if extra_lm_head and not torch.equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
-            raise ValueError("tied model (tie_word_embeddings=True): lm_head.weight is present and differs "
-                             "from model.embed_tokens.weight")
+        dtype = check_hf_weights(src, args)
         names = mm.mcore_to_hf_names(args)
         ranks = [(t, p, e) for e in range(ep) for p in range(pp) for t in range(tp)]
         plans = {(p, e): ms.local_plan(args, tp, pp, p, ep=ep, ep_rank=e) for e in range(ep) for p in range(pp)}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
+from megarl.checkpoint.convert import read_hf_piece
 from megarl.models import mcore_sharding
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims
@@ -110,9 +111,13 @@ class Trainer:
     optimizer."""
 
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, dims: ParallelDims,
-                 hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0):
-        """``hf_state``: HF-named starting weights; None draws fresh ones from ``seed``
-        (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
+                 hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0, hf_dir: str | None = None):
+        """Starting weights: ``hf_dir`` (a HF folder: this rank reads only its own piece, see
+        :func:`megarl.checkpoint.convert.read_hf_piece`), else ``hf_state`` (full HF-named
+        tensors), else fresh ones drawn from ``seed`` (:func:`megarl.models.init_weights.init_hf_state`),
+        the same for every layout."""
+        if hf_dir is not None and hf_state is not None:
+            raise ValueError("Trainer takes hf_dir or hf_state, not both")
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         self.args, self.cfg, self.dims = args, cfg, dims
@@ -126,7 +131,12 @@ class Trainer:
         # A fresh model is drawn whole and sharded (models/init_weights.py): Megatron's own init
         # would depend on the TP/PP/EP layout, and a run must start where its single-process
         # equivalent starts.
-        load_hf_state(model, hf_state if hf_state is not None else init_hf_state(args, seed, self.dtype), args, dims)
+        if hf_dir is not None:
+            load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank,
+                                            ep=dims.ep, ep_rank=dims.ep_rank))
+        else:
+            load_hf_state(model, hf_state if hf_state is not None else init_hf_state(args, seed, self.dtype), args,
+                          dims)
         mcfg = model.config
         # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised by
         # the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.

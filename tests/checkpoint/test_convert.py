@@ -80,6 +80,8 @@ def test_round_trip_is_bitwise_and_pieces_are_shard_rank(tmp_path, family):
                 piece = load_file(tmp_path / "mc" / cv.piece_file(t, p, e))
                 want = ms.shard_rank(full, args, par["tp"], par["pp"], t, p, ep=par["ep"], ep_rank=e)
                 assert_same_tensors(piece, want)
+                # What a trainer rank loads at start, read straight from the HF folder.
+                assert_same_tensors(cv.read_hf_piece(hf, args, par["tp"], par["pp"], t, p, par["ep"], e), want)
                 n += len(piece)
     assert report.tensors == n
     meta = json.loads((tmp_path / "mc" / "meta.json").read_text())
