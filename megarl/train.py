@@ -17,7 +17,7 @@ from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine, EngineConfig
 from megarl.engine.tp_model import TPCausalLM
-from megarl.models.hf_io import save_hf_model
+from megarl.checkpoint.export import export_hf
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.layout import Layout, RolloutGroups, check_trainer_groups, create_rollout_groups
@@ -149,9 +149,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(run_dir, step + 1, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims,
                             ref_state=ref.state_dict() if ref is not None else None)
-    hf = trainer.hf_state_dict()  # collective with TP/PP: every process takes part
+    export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
     if rank0:
-        save_hf_model(hf, inputs.args, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)
         log.info("exported HF checkpoint to %s", run_dir / "hf")
     return history
 

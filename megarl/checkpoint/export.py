@@ -1,0 +1,75 @@
+"""The run's final Hugging Face export, through the converter: no process holds the whole model.
+
+Every process calls :func:`export_hf`. The first replica of each trainer piece writes its local
+Megatron state dict as ``model_tp<t>_pp<p>_ep<e>.safetensors`` into a staging folder beside the
+output, and rank 0 adds ``meta.json``, the generation config and the tokenizer: together the
+converter's per-rank layout (``megarl/checkpoint/convert.py``). Rank 0 then runs
+:func:`~megarl.checkpoint.convert.mcore_to_hf` on it, which streams one tensor at a time (and
+checks that replicated pieces agree and a tied model's copies are equal) into the HF folder,
+renamed into place when complete; the staging folder is removed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megarl.checkpoint import convert
+from megarl.checkpoint.safetensors_stream import TAGS
+from megarl.models import mcore_sharding
+
+
+def _first_replica(dims) -> bool:
+    """Whether this process writes its piece: data-parallel replicas hold equal pieces (for MoE,
+    the expert-data-parallel ones: ranks of other EP ranks hold other experts)."""
+    group = dims.expt_dp_group if dims.ep > 1 else dims.dp_group
+    return group is None or dist.get_world_size(group) == 1 or dist.get_rank(group) == 0
+
+
+def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] | None = None) -> Path:
+    """Write the trainer's weights as a HF folder at ``out_dir`` (collective: every process calls
+    it; rank 0 writes). ``write_extra(folder)`` adds files such as the tokenizer."""
+    dims, args, out_dir = trainer.dims, trainer.args, Path(out_dir)
+    stage = out_dir.with_name(f".{out_dir.name}.pieces")
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    if dims.rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+    if multi:
+        dist.barrier()
+    if _first_replica(dims):
+        local = {k: v.detach().contiguous().cpu() for k, v in trainer.gpt.state_dict().items()
+                 if not k.endswith("_extra_state")}
+        save_file(local, str(stage / convert.piece_file(dims.tp_rank, dims.pp_rank, dims.ep_rank)))
+    if multi:
+        dist.barrier()
+    try:
+        if dims.rank == 0:
+            dtype = trainer.dtype
+            gen = {k: getattr(args, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if getattr(args, k) is not None}
+            with open(stage / "generation_config.json", "w") as f:
+                json.dump({**gen, "do_sample": False}, f, indent=2)
+            before = set(p.name for p in stage.iterdir())
+            if write_extra is not None:
+                write_extra(stage)
+            hf_files = ["generation_config.json", *sorted(p.name for p in stage.iterdir() if p.name not in before)]
+            files = [convert.piece_file(t, p, e) for e in range(dims.ep) for p in range(dims.pp) for t in range(dims.tp)]
+            meta = {"format": convert.FORMAT, "format_version": convert.FORMAT_VERSION,
+                    "hf_config": args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch.")),
+                    "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "vocab_size": args.vocab_size,
+                    "padded_vocab_size": mcore_sharding.padded_vocab(args.vocab_size, dims.tp),
+                    "dtype": TAGS[dtype], "files": files, "hf_files": hf_files}
+            with open(stage / convert.META, "w") as f:
+                json.dump(meta, f, indent=2)
+            convert.mcore_to_hf(stage, out_dir, force=True, progress=False)
+    finally:
+        if dims.rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+    if multi:
+        dist.barrier()
+    return out_dir
