@@ -91,6 +91,11 @@ class RolloutConfig:
     """Engine weights/activations dtype."""
     device: str = "cpu"
     """Engine device (``cpu`` or ``cuda``)."""
+    placement: Literal["round_robin", "length"] = "round_robin"
+    """How a step's prompts are spread over the rollout replicas (multi-process runs):
+    ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
+    response lengths when last seen; megarl/rl/placement.py). Never changes a sample. Its gain is
+    not measured yet (issue 6's schedule benchmark), hence not the default."""
 
     def __post_init__(self):
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):

@@ -33,17 +33,21 @@ LAYOUTS = {
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
     # Stream training with a TP=2 trainer whose TP groups are the rollout groups (DP=2).
     "tp2_rtp2_stream": ("parallel.trainer_tp=2,parallel.rollout_tp=2,stream_train=true", "single"),
+    # 16 prompts, 8 a step on 4 replicas: step 3 repeats step 1's prompts, so length placement has a history to
+    # balance by (and round robin, the other policy, for comparison): neither changes a sample.
+    "dp4_np8": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=length", "single_np8"),
+    "dp4_np8_rr": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin", "single_np8"),
     # Starting from a HF folder (the single run's export): each trainer rank reads only its piece.
     "from_hf_tp2pp2": ("model.init_from_hf={out}/single/hf,parallel.trainer_tp=2,parallel.trainer_pp=2",
                        "from_hf_single"),
 }
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
-          "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf"}
+          "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8"}
 # Tolerance on the final weights against the reference: fp64 runs differ by rounding only; the
 # fp32 runs use a learning rate of RL's scale (Adam turns rounding noise in gradients that are
 # ~0 in exact arithmetic, e.g. of the k bias, into updates of up to lr * noise / eps).
-TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1e-9}
+TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1e-9, "single_np8": 1e-9}
 
 
 @pytest.fixture(scope="module")

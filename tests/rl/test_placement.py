@@ -1,0 +1,38 @@
+"""Length-aware placement: every prompt placed once, balanced by predicted work, deterministic."""
+import pytest
+
+from megarl.rl.placement import LengthHistory, place
+
+
+def work(assign, uids, hist):
+    return [sum(hist.predict(uids[j]) for j in idx) for idx in assign]
+
+
+def test_round_robin_deals_in_order():
+    assert place([5, 6, 7, 8, 9], 2, "round_robin") == [[0, 2, 4], [1, 3]]
+
+
+def test_length_placement_balances_predicted_work():
+    hist = LengthHistory()
+    uids = list(range(8))
+    for uid, n in zip(uids, [100, 10, 90, 10, 10, 10, 10, 10]):  # both long ones even: round robin pairs them
+        hist.update(uid, [n - 1, n + 1])  # mean n
+    rr = place(uids, 2, "round_robin")
+    lp = place(uids, 2, "length", hist)
+    assert sorted(j for idx in lp for j in idx) == list(range(8))  # each prompt exactly once
+    assert max(work(rr, uids, hist)) == 210 and max(work(lp, uids, hist)) == 130  # of 250: 210/40 vs 130/120
+    assert lp == place(uids, 2, "length", hist)  # a pure function of (uids, history)
+
+
+def test_unseen_prompts_get_the_mean_and_ties_keep_order():
+    hist = LengthHistory()
+    assert hist.predict(3) == 1.0  # nothing seen: all equal, placement by position
+    assert place([1, 2, 3, 4], 2, "length", hist) == [[0, 2], [1, 3]]
+    hist.update(1, [10, 30])
+    hist.update(2, [40])
+    assert hist.predict(1) == 20 and hist.predict(7) == 30  # unseen: mean of the seen prompts
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match=r"placement policy 'random' is invalid; valid choices: \['round_robin', 'length'\]"):
+        place([1], 1, "random")
