@@ -26,7 +26,7 @@ from megarl.config import RunConfig
 from megarl.engine import Engine, EngineConfig
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
-from megarl.parallel.weight_sync import sync_weights
+from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
 from megarl.rl.update import grpo_update
@@ -79,7 +79,8 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
         engine = Engine(CausalLM(inputs.args), EngineConfig(
             max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
             dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed)
-        sync_weights(trainer, engine)
+        weight_sync = WeightSync(trainer, engine)  # planned once, run after every update
+        weight_sync()
         stage = RolloutStage(engine, inputs, cfg)
         variants = _variants(cfg)
         probes = probe_steps(cfg, steps, len(inputs.problems))
@@ -88,7 +89,7 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
             per_step.append(_bench_step(step, steps, cfg, inputs, engine, stage, variants, probes))
             groups = per_step[-1].pop("_groups")
             grpo_update(trainer, groups, cfg, inputs)
-            sync_weights(trainer, engine)
+            weight_sync()
     finally:
         shutdown_distributed()
     report = _summary(per_step, cfg)

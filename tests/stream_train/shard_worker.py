@@ -26,6 +26,7 @@ else:  # run by torchrun as a script
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.parallel.dist import init_parallel, teardown
+from megarl.rl.batching import dp_rows
 from megarl.rl.grpo import grpo_loss
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 from megarl.stream_train.model import (
@@ -88,13 +89,6 @@ def train_batch(args, step: int) -> dict:
     return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(b, generator=g, dtype=torch.float64)}
 
 
-def dp_slice(batch: dict, dp_rank: int, dp: int) -> dict:
-    """This DP rank's rows (every dp-th), the other entries unchanged."""
-    n = batch["input_ids"].shape[0]
-    return {k: v[dp_rank::dp] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
-            for k, v in batch.items()}
-
-
 def train_steps(trainer, args, dp_rank: int = 0, dp: int = 1) -> list:
     """TRAIN_STEPS GRPO steps; each DP rank trains on its slice with the global token count.
     Returns per step the old logprobs of the whole batch and the train_step outputs."""
@@ -108,7 +102,7 @@ def train_steps(trainer, args, dp_rank: int = 0, dp: int = 1) -> list:
             return grpo_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], n,
                              clip_eps_low=0.2, clip_eps_high=0.2)
 
-        out.append({"old_logprobs": old, "metrics": trainer.train_step(dp_slice(batch, dp_rank, dp), loss_fn)})
+        out.append({"old_logprobs": old, "metrics": trainer.train_step(dp_rows(batch, dp_rank, dp), loss_fn)})
     return out
 
 
