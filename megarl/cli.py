@@ -1,4 +1,4 @@
-"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``.
+"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``, ``report``.
 
 Bad input (config keys, missing files, malformed data) ends with one ``megarl: error: ...``
 line and exit status 2; no traceback, nothing written.
@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.checkpoint.convert import add_convert_parser
 
     add_convert_parser(sub)
+
+    from megarl.report import add_report_parser
+
+    add_report_parser(sub)
 
     p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
     p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             _generate(args)
             return 0
+        if args.command == "report":
+            from megarl.report import run_report
+
+            return run_report(args)
         if args.command == "convert":
             from megarl.checkpoint.convert import run_convert
 

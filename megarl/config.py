@@ -14,6 +14,7 @@ import yaml
 
 from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
+from megarl.rl.bubble import ScheduleConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
@@ -173,6 +174,8 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Failure detection across processes: a process that dies, hangs or raises ends every
     process of the run (non-zero exit, naming the rank and the cause) instead of a hang."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Long-tail scheduling: what rollout replicas do in their idle time (bubble work)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Process layout: trainer TP/PP/EP (DP is what is left of the world), rollout TP, placement.
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""

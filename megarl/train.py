@@ -25,6 +25,7 @@ from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 from megarl.rl.sft import run_sft
+from megarl.rl.timeline import StepTimeline, bubble_fraction, gather_records, replica_sum, timeline_line
 from megarl.rl.update import StreamUpdate, grpo_update
 from megarl.setup_run import RunInputs, check_layout, prepare_inputs
 from megarl.spec.speculator import Speculator
@@ -35,7 +36,7 @@ log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
-             "stream_train_time_s")
+             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups")
 
 
 class RunDirError(ValueError):
@@ -97,6 +98,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         start = loop_state["step"]
         if rank0:
             _truncate_metrics(run_dir / "metrics.jsonl", start)
+            _truncate_metrics(run_dir / "timeline.jsonl", start)
         log.info("resumed from %s (step %d)", ckpt, start)
     elif cfg.sft.steps > 0:
         sft = run_sft(trainer, inputs, cfg)
@@ -118,33 +120,48 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb)
     weight_sync()
     rollout = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
-                           dp_group=groups.dp_group)
+                           dp_group=groups.dp_group, tp_group=groups.tp_group)
+    sched = _Schedule(cfg, layout.rollout_dp)
+    replica = groups.group_index
     history = []
     bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress or not rank0, initial=start,
                total=cfg.rl_steps)
     for step in bar:
-        t0 = time.perf_counter()
+        tl = StepTimeline(dims.rank, replica)
+        t0 = tl.t0
         uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
-        stream = StreamUpdate(trainer, cfg, inputs, ref) if cfg.stream_train else None
+        next_uids = prompt_uids_for_step(step + 1, cfg, len(inputs.problems)) if step + 1 < cfg.rl_steps else None
+        stream = StreamUpdate(trainer, cfg, inputs, ref, defer=sched.defer_stream) if cfg.stream_train else None
         if stream is not None:
             stream.begin()
-        groups = rollout.run(uids, step, on_group=stream.add_group if stream is not None else None)
-        rollout_metrics = rollout.metrics(groups)
+        groups = rollout.run(uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
+                             bubble=sched.bubble_fn(rollout, stream, tl, next_uids, step),
+                             low_priority=sched.low_priority)
+        rollout_metrics = {**rollout.metrics(groups), **rollout.bubble_figures}
         t1 = time.perf_counter()
-        if cfg.spec.enabled and cfg.spec.bubble_pregen and step + 1 < cfg.rl_steps:
-            # Bubble work with the weights that sampled this step (issue 6 moves it into idle time).
-            rollout_metrics["bubble_tokens"] = rollout.pregenerate(
-                prompt_uids_for_step(step + 1, cfg, len(inputs.problems)), step + 1)
+        if sched.pregen_after and next_uids is not None:
+            # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
+            # bubble drafts made after the rollout, with the weights that sampled this step.
+            with tl.phase("bubble"):
+                tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1)
         t_bubble = time.perf_counter()
-        metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
+        with tl.phase("train"):
+            metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
         t2 = time.perf_counter()
-        metrics.update(weight_sync())
+        with tl.phase("sync"):
+            metrics.update(weight_sync())
+        records = gather_records(tl.record())
         metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,
-                       train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0)
+                       train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0,
+                       bubble_frac=bubble_fraction(records), bubble_tokens=replica_sum(records, "bubble_tokens"),
+                       bubble_groups=replica_sum(records, "bubble_groups"))
         history.append(metrics)
         if rank0:
             with open(run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            lengths = [len(r.tokens) for grp in groups for r in grp.results]
+            with open(run_dir / "timeline.jsonl", "a") as f:
+                f.write(json.dumps(timeline_line(step + 1, records, lengths)) + "\n")
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(run_dir, step + 1, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims,
@@ -153,6 +170,37 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if rank0:
         log.info("exported HF checkpoint to %s", run_dir / "hf")
     return history
+
+
+class _Schedule:
+    """Where this run's bubble work goes (``schedule`` section): with several rollout replicas,
+    into each replica's idle time in the rollout phase; otherwise (or when not listed in
+    ``schedule.bubble_work``) stream training happens as groups finish and bubble drafts are
+    made after the rollout."""
+
+    def __init__(self, cfg: RunConfig, replicas: int):
+        work = cfg.schedule.bubble_work if replicas > 1 else ()
+        pregen = cfg.spec.enabled and cfg.spec.bubble_pregen
+        self.defer_stream = cfg.stream_train and "stream_train" in work
+        self.pregen_in_bubble = pregen and "pregen" in work
+        self.pregen_after = pregen and not self.pregen_in_bubble
+        self.low_priority = cfg.schedule.bubble_priority == "idle" and cfg.rollout.device == "cpu"
+
+    def bubble_fn(self, rollout: RolloutStage, stream: StreamUpdate | None, tl: StepTimeline,
+                  next_uids: list[int] | None, step: int):
+        if not self.defer_stream and not (self.pregen_in_bubble and next_uids is not None):
+            return None
+
+        def work(stop) -> dict:
+            if self.defer_stream:
+                with tl.phase("train"):
+                    tl.bubble_groups = stream.drain(stop)
+            if self.pregen_in_bubble and next_uids is not None and not stop():
+                with tl.phase("bubble"):
+                    tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=stop)
+            return {}  # figures go to the timeline (summed over replicas there)
+
+        return work
 
 
 def set_deterministic() -> None:

@@ -105,7 +105,8 @@ class Result:
     entropies: list[float]
     """Entropy of softmax(logits / T) at each generated position (T=1 for greedy)."""
     finish_reason: str
-    """"stop" (a stop token was sampled) or "length" (max_new_tokens or max_seq_len)."""
+    """"stop" (a stop token was sampled), "length" (max_new_tokens or max_seq_len) or "aborted"
+    (``generate``'s ``should_stop`` ended it early: bubble work only)."""
     n_forwards: int
     """Target forward passes this request took part in, prefill included."""
 
@@ -208,13 +209,18 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[Request], step: int, progress: bool = False,
-                 purpose: str = "rollout", on_finish: Callable[[int, Result], None] | None = None) -> list[Result]:
+                 purpose: str = "rollout", on_finish: Callable[[int, Result], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> list[Result]:
         """Responses for ``requests`` (same order), sampled with RL step ``step``'s noise.
 
         ``purpose`` tells the draft sources what the responses are: ``rollout`` (this step's
         samples: they become history) or ``bubble`` (see ``pregenerate``). ``on_finish(i, result)``
         is called for request ``i`` as soon as it finishes, between engine iterations and outside
-        inference mode (stream training runs its forward/backward there)."""
+        inference mode (stream training runs its forward/backward there).
+
+        ``should_stop()`` is asked before every engine iteration (preemptible bubble work); once
+        it says yes, the unfinished requests are returned as they are, with ``finish_reason``
+        ``"aborted"`` (their tokens are still exact samples: a prefix of the full response)."""
         self._validate(requests)
         if self.tp_size > 1:
             self._check_group_agrees(requests, step)
@@ -228,6 +234,9 @@ class Engine:
             self.spec.begin(requests, step)
         with torch.inference_mode():
             while waiting or running:
+                if should_stop is not None and should_stop():
+                    self._abort(waiting, running)
+                    break
                 self.admit(waiting, running)
                 batch = self.schedule(running)
                 out = self.run(batch, step)
@@ -246,17 +255,20 @@ class Engine:
             self.spec.end(results, step, purpose)
         return results
 
-    def pregenerate(self, requests: list[Request], step: int, coupled: bool = True) -> list[Result]:
+    def pregenerate(self, requests: list[Request], step: int, coupled: bool = True,
+                    should_stop: Callable[[], bool] | None = None) -> list[Result]:
         """Bubble work: generate ``requests`` of a FUTURE step ``step`` with the current weights
         and keep the responses as that step's bubble drafts (DESIGN.md §2, coupled drafts).
         ``coupled=False`` samples them with unrelated noise instead (a control that measures
-        what coupling gains; the drafts stay valid, just less often accepted)."""
+        what coupling gains; the drafts stay valid, just less often accepted). Preempted by
+        ``should_stop`` (see ``generate``), the partial responses are kept: a prefix of a coupled
+        draft is a coupled draft of that prefix's positions."""
         bubble = self.spec.bubble if self.spec is not None else None
         if bubble is None:
             raise ValueError("pregenerate needs a speculator with the 'bubble' source (spec.sources)")
         noise_step = step if coupled else step ^ _UNCOUPLED_STEP_BIT
-        results = self.generate(requests, noise_step, purpose="bubble")
-        bubble.store(step, results)
+        results = self.generate(requests, noise_step, purpose="bubble", should_stop=should_stop)
+        bubble.merge(step, {(r.uid, r.sample_idx): r.tokens for r in results if r.tokens})
         return results
 
     def admit(self, waiting: deque, running: list[_Seq]) -> None:
@@ -378,6 +390,16 @@ class Engine:
             by_slot[hi].slot = lo
             by_slot[lo] = by_slot.pop(hi)
         running.sort(key=lambda s: s.slot)
+
+    def _abort(self, waiting: deque, running: list[_Seq]) -> None:
+        """Stop now: free the running requests' slots (the cache is left empty) and mark every
+        unfinished request aborted."""
+        for s in list(running) + list(waiting):
+            s.finish_reason = "aborted"
+        for s in running:
+            self.cache.table.free(s.slot)
+        running.clear()
+        waiting.clear()
 
     def _finish_reason(self, s: _Seq, tok: int) -> str | None:
         p = s.req.params

@@ -7,6 +7,7 @@ concatenated per-epoch permutations, so a resumed run and a rank that pre-genera
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,8 +16,10 @@ import torch.distributed as dist
 
 from megarl.config import RunConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
+from megarl.rl.bubble import PhaseEnd, run_bubble_work
 from megarl.rl.placement import LengthHistory, place
 from megarl.rl.task import Problem
+from megarl.rl.timeline import StepTimeline
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
@@ -55,14 +58,16 @@ class RolloutStage:
     process returns every group, in ``uids`` order."""
 
     def __init__(self, engine: Engine, inputs, cfg: RunConfig, replica: int = 0, replicas: int = 1,
-                 dp_group: dist.ProcessGroup | None = None):
+                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None):
         if not 0 <= replica < replicas:
             raise ValueError(f"rollout replica {replica} is outside 0..{replicas - 1}")
         if replicas > 1 and dp_group is None:
             raise ValueError(f"{replicas} rollout replicas need their data-parallel group (dp_group)")
         self.engine, self.inputs, self.cfg = engine, inputs, cfg
-        self.replica, self.replicas, self.dp_group = replica, replicas, dp_group
+        self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
+        self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
+        self.bubble_figures: dict = {}  # what the bubble work of the last run() returned
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
@@ -73,19 +78,27 @@ class RolloutStage:
     def _assignment(self, uids: list[int]) -> list[list[int]]:
         return place(uids, self.replicas, self.cfg.rollout.placement, self.history)
 
-    def _mine(self, uids: list[int]) -> list[int]:
-        return [uids[j] for j in self._assignment(uids)[self.replica]]
-
     def requests(self, uids: list[int]) -> list[Request]:
         """The G requests of each prompt in ``uids``, grouped by prompt."""
         tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
         return [Request(uid=u, sample_idx=i, prompt_ids=tok.encode(self.inputs.problems[u].prompt), params=self.params)
                 for u in uids for i in range(g)]
 
-    def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None) -> list[Group]:
+    def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None,
+            timeline: StepTimeline | None = None, bubble: Callable[[Callable[[], bool]], dict] | None = None,
+            low_priority: bool = False) -> list[Group]:
         """Every group of ``uids`` (all replicas'). ``on_group(group)`` is called, in this process,
-        for each group of this replica as soon as its last sample finishes (stream training)."""
+        for each group of this replica as soon as its last sample finishes (stream training).
+
+        With several replicas, a replica that finished its share calls ``bubble(stop)`` (bubble
+        work, megarl/rl/bubble.py: it must return once ``stop()`` says the step's last replica is
+        done; ``low_priority``: at the OS's idle priority) before the replicas exchange their
+        groups, and the bubble drafts made for step + 1 are exchanged with them. ``timeline``
+        gets this process's generate / train / idle phases; the rollout phase ends after the
+        exchange."""
+        tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
+        self.bubble_figures = {}
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
         on_finish = None
@@ -97,26 +110,54 @@ class RolloutStage:
                 k = i // g  # requests are grouped by prompt: request i is sample i % g of prompt k
                 pending[k][i % g] = result
                 if all(r is not None for r in pending[k]):
-                    on_group(self.groups([mine[k]], pending.pop(k))[0])
+                    with tl.phase("train"):
+                        on_group(self.groups([mine[k]], pending.pop(k))[0])
 
+        t_gen = time.perf_counter()
         results = self.engine.generate(self.requests(mine), step=step, on_finish=on_finish)
+        tl.fill("generate", t_gen, time.perf_counter())
+        tl.tokens = sum(len(x.tokens) for x in results)
         self.engine_forwards = self.engine.stats["forwards"]
-        self.replica_tokens = [sum(len(x.tokens) for x in results)]
+        self.spec_metrics = self.engine.spec.metrics() if self.engine.spec is not None else {}
+        self.replica_tokens = [tl.tokens]
         if self.replicas > 1:
-            shares = [None] * self.replicas
-            dist.all_gather_object(shares, (results, self.engine_forwards), group=self.dp_group)
-            g = self.cfg.rollout.group_size
-            by_index: dict[int, list[Result]] = {}
-            for (res, _), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
-                for k, j in enumerate(indices):
-                    by_index[j] = res[k * g:(k + 1) * g]
-            results = [x for j in range(len(uids)) for x in by_index[j]]
-            self.engine_forwards = sum(f for _, f in shares)
-            self.replica_tokens = [sum(len(x.tokens) for x in res) for res, _ in shares]
-        groups = self.groups(uids, results)
+            results = self._exchange(uids, step, assignment, results, bubble, low_priority)
+        with tl.phase("reward"):
+            groups = self.groups(uids, results)
+        tl.end_rollout()
         for grp in groups:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
+
+    def _exchange(self, uids, step, assignment, results, bubble, low_priority) -> list[Result]:
+        """Bubble work until every replica is done, then every replica's results (and the step +
+        1 bubble drafts) to every replica, in ``uids`` order."""
+        if bubble is not None:
+            end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
+            end.post()
+            self.bubble_figures = run_bubble_work(lambda: bubble(end.over), low_priority,
+                                                  flush_denormal=self.engine.device.type == "cpu")
+            end.wait()
+        bubble_src = self.engine.spec.bubble if self.engine.spec is not None else None
+        drafts = bubble_src.drafts(step + 1) if bubble_src is not None else {}
+        shares = [None] * self.replicas
+        dist.all_gather_object(shares, (results, self.engine_forwards, drafts), group=self.dp_group)
+        g = self.cfg.rollout.group_size
+        by_index: dict[int, list[Result]] = {}
+        for (res, _, _), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
+            for k, j in enumerate(indices):
+                by_index[j] = res[k * g:(k + 1) * g]
+        history = self.engine.spec.source("history") if self.engine.spec is not None else None
+        for r, (res, _, their_drafts) in enumerate(shares):
+            if r == self.replica:
+                continue
+            if bubble_src is not None and their_drafts:
+                bubble_src.merge(step + 1, their_drafts)
+            if history is not None:  # other replicas' samples are history drafts here too
+                history.end(res, step, "rollout")
+        self.engine_forwards = sum(f for _, f, _ in shares)
+        self.replica_tokens = [sum(len(x.tokens) for x in res) for res, _, _ in shares]
+        return [x for j in range(len(uids)) for x in by_index[j]]
 
     def groups(self, uids: list[int], results: list[Result]) -> list[Group]:
         """The results of ``requests(uids)`` as GRPO groups, with their rewards."""
@@ -128,21 +169,36 @@ class RolloutStage:
             groups.append(Group(problem=p, results=res, rewards=rewards))
         return groups
 
-    def pregenerate(self, uids: list[int], step: int) -> int:
-        """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts.
-        Returns the tokens generated."""
-        results = self.engine.pregenerate(self.requests(self._mine(uids)), step)
-        return sum(len(r.tokens) for r in results)
+    def pregenerate(self, uids: list[int], step: int, should_stop: Callable[[], bool] | None = None) -> int:
+        """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts; the
+        drafts are exchanged at the end of the rollout phase (see ``run``). Returns the tokens
+        generated.
+
+        ``uids`` are split into one share per replica by the placement policy (the shares the
+        replicas will most likely generate at step ``step``). Without
+        ``should_stop`` this replica does its own share. With it (work in idle time, until the
+        step's last replica is done) it goes on with the next replicas' shares, cyclically: the
+        replicas still generating cannot do theirs, and a share two replicas both make gives
+        the same drafts (same weights, same noise), of which the longer prefix is kept."""
+        shares = self._assignment(uids)
+        tokens = 0
+        for k in range(self.replicas if should_stop is not None else 1):
+            if should_stop is not None and should_stop():
+                break
+            share = shares[(self.replica + k) % self.replicas]
+            results = self.engine.pregenerate(self.requests([uids[j] for j in share]), step, should_stop=should_stop)
+            tokens += sum(len(r.tokens) for r in results)
+        return tokens
 
     def metrics(self, groups: list[Group]) -> dict[str, float]:
-        """Per-step rollout figures (read right after ``run``: the engine's counters cover it). With
-        several replicas the ``spec/*`` figures are this replica's own speculator's."""
+        """Per-step rollout figures of ``run``'s groups. With several replicas the ``spec/*``
+        figures are this replica's own speculator's, for its share (bubble work not included)."""
         results = [r for g in groups for r in g.results]
         rewards = np.array([x for g in groups for x in g.rewards])
         lens = np.array([len(r.tokens) for r in results])
         ents = [e for r in results for e in r.entropies]
         forwards = int(sum(r.n_forwards for r in results))
-        spec = self.engine.spec.metrics() if self.engine.spec is not None else {}
+        spec = self.spec_metrics
         return {**spec,
             "reward_mean": float(rewards.mean()),
             "reward_max": float(rewards.max()),

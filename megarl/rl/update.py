@@ -67,17 +67,38 @@ class StreamUpdate:
     the same engine iteration and run its forward/backward together.
     """
 
-    def __init__(self, trainer, cfg: RunConfig, inputs, ref=None):
+    def __init__(self, trainer, cfg: RunConfig, inputs, ref=None, defer: bool = False):
         self.trainer, self.cfg, self.inputs, self.ref = trainer, cfg, inputs, ref
+        self.defer = defer
         self.tokens = 0.0
         self.groups = 0
         self.seconds = 0.0  # spent training inside rollout
+        self.queue: list = []
 
     def begin(self) -> None:
         self.trainer.begin_step()
         self.tokens, self.groups, self.seconds = 0.0, 0, 0.0
+        self.queue = []
 
     def add_group(self, group) -> None:
+        """A group finished: trained now, or with ``defer`` queued for :meth:`drain` (the
+        replica's bubble time: its own generation is not slowed by it). Either way the groups are
+        trained in the order they finished, so the summed gradients are the same bits."""
+        if self.defer:
+            self.queue.append(group)
+        else:
+            self._train(group)
+
+    def drain(self, should_stop=None) -> int:
+        """Train queued groups, in order, until the queue is empty or ``should_stop()`` (asked
+        before each group); returns how many were trained."""
+        n = 0
+        while self.queue and not (should_stop is not None and should_stop()):
+            self._train(self.queue.pop(0))
+            n += 1
+        return n
+
+    def _train(self, group) -> None:
         t0 = time.perf_counter()
         g = self.cfg.rollout.group_size
         adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float32), g,
@@ -101,6 +122,7 @@ class StreamUpdate:
 
     def finish(self, groups) -> dict[str, float]:
         """The optimizer step, once ``groups`` (every replica's groups of the step) are all in."""
+        self.drain()  # what the bubble did not get to
         dims = self.trainer.dims
         count = torch.tensor([self.tokens, float(self.groups)], dtype=torch.float64, device=dims.device)
         if dims.dp > 1:

@@ -156,6 +156,19 @@ class BubbleSource(DraftSource):
         """Keep pre-generated ``results`` as drafts for RL step ``step``."""
         self._store[step] = {(r.uid, r.sample_idx): list(r.tokens) for r in results}
 
+    def drafts(self, step: int) -> dict[tuple[int, int], list[int]]:
+        """Step ``step``'s drafts, ``(uid, sample_idx) -> tokens`` (to share with other replicas)."""
+        return dict(self._store.get(step, {}))
+
+    def merge(self, step: int, drafts: dict[tuple[int, int], list[int]]) -> None:
+        """Add drafts another replica pre-generated for step ``step``: the replica that generates
+        a prompt at that step need not be the one that pre-generated it. Of two drafts for one
+        request the longer is kept: both are prefixes of the same coupled sample."""
+        mine = self._store.setdefault(step, {})
+        for key, toks in drafts.items():
+            if len(toks) > len(mine.get(key, ())):
+                mine[key] = list(toks)
+
     def has_drafts(self, step: int) -> bool:
         return bool(self._store.get(step))
 

@@ -30,10 +30,28 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         os.rename(tmp, final)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; restore at once
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary sibling of ``path`` and rename it over ``path``; on any error
+    the temporary file is removed, so ``path`` is either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give it a normal file's mode
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())

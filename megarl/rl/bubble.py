@@ -1,0 +1,137 @@
+"""Bubble work: what a rollout replica does between finishing its share of a step and the end of
+the step's rollout phase (issue 6 item 3; BubbleSpec, RollPacker, TLT).
+
+The work comes in small units (one engine iteration of pre-generation, one group's
+forward/backward of stream training), and before each unit the replica asks whether the rollout
+phase is over (every replica finished its share); once it is, the work stops after the unit in
+flight, so bubble work delays the step by at most one unit. The answer comes from an
+asynchronous all-reduce that each replica posts when its own share is done: it completes when
+the last replica posts it. Within a rollout TP group the ranks must stop at the same unit (their
+forwards pair up in collectives), so they agree on the answer with one tiny all-reduce per unit.
+
+On CPU the work runs in a thread at the OS's idle priority (``schedule.bubble_priority``): where
+several processes share cores, as in the CPU test runs, bubble work then only takes cycles the
+generating ranks leave unused, as it would on a cluster where every rank owns its GPU. On GPU
+the priority is left alone (the device work is what matters there).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+BUBBLE_WORK = ("stream_train", "pregen")
+
+
+@dataclass
+class ScheduleConfig:
+    """What rollout replicas do with their idle time (the ``schedule`` section; multi-process
+    runs with several rollout replicas: a one-replica run has no idle replica)."""
+
+    bubble_work: tuple[str, ...] = ("stream_train", "pregen")
+    """Work a replica does, in this order, once its share of the step is generated and until the
+    step's last replica is done: ``stream_train`` trains the replica's finished groups (with
+    ``stream_train: true``; without it in the list they are trained as they finish, in between
+    decode steps), ``pregen`` pre-generates the next step's responses as bubble drafts (with
+    ``spec.bubble_pregen``; without it in the list they are generated after the rollout phase).
+    Neither changes a sample or an update."""
+    bubble_priority: Literal["idle", "normal"] = "idle"
+    """``idle``: on CPU, bubble work runs at the OS's idle priority, so that on shared cores it
+    never slows a replica that is still generating; ``normal``: same priority as generation."""
+
+    def __post_init__(self) -> None:
+        self.bubble_work = tuple(self.bubble_work)
+        bad = [w for w in self.bubble_work if w not in BUBBLE_WORK]
+        if bad or len(set(self.bubble_work)) != len(self.bubble_work):
+            raise ValueError(f"schedule.bubble_work={list(self.bubble_work)} is invalid; valid entries "
+                             f"(each at most once, in priority order): {list(BUBBLE_WORK)}")
+        if self.bubble_priority not in ("idle", "normal"):
+            raise ValueError(f"schedule.bubble_priority={self.bubble_priority!r} is invalid; "
+                             f"valid choices: ['idle', 'normal']")
+
+
+class PhaseEnd:
+    """Tells the replicas of a rollout phase when the last one has finished its share.
+
+    :meth:`post` (after this replica's share) starts an asynchronous all-reduce over the rollout
+    data-parallel group; :meth:`over` asks, without blocking, whether it completed, agreeing
+    across ``tp_group`` (every TP rank must call it at the same points); :meth:`wait` blocks."""
+
+    def __init__(self, dp_group, tp_group=None, device: str | torch.device = "cpu"):
+        self.dp_group, self.tp_group, self.device = dp_group, tp_group, device
+        self._work = None
+        self._over = False
+
+    def post(self) -> None:
+        self._flag = torch.ones(1, dtype=torch.int32, device=self.device)
+        self._work = dist.all_reduce(self._flag, group=self.dp_group, async_op=True)
+
+    def over(self) -> bool:
+        if not self._over:
+            local = self._work.is_completed()
+            if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+                t = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+                local = bool(t.item())
+            self._over = local
+        return self._over
+
+    def wait(self) -> None:
+        self._work.wait()
+
+
+def lower_thread_priority() -> str:
+    """Move the calling thread to the OS's idle scheduling class (Linux: SCHED_IDLE, else nice
+    19). Per thread on Linux, so the process's other threads keep theirs; returns what was done."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0 = the calling thread
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return "nice 19"
+    except (AttributeError, OSError) as e:
+        return f"unchanged ({e})"
+
+
+_logged_priority = False
+
+
+def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False) -> dict:
+    """Run ``fn`` (bubble work that checks its own stop condition) and return its figures; with
+    ``low_priority``, in a thread at idle priority (the caller waits for it: its exception, if
+    any, is raised here). ``flush_denormal`` repeats the engine's ``torch.set_flush_denormal``
+    in that thread: the flag lives in a per-thread CPU register, and without it the thread's
+    results (and speed) would differ from the main thread's."""
+    if not low_priority:
+        return fn()
+    out: dict = {}
+    err: list[BaseException] = []
+
+    def target() -> None:
+        global _logged_priority
+        if flush_denormal:
+            torch.set_flush_denormal(True)
+        how = lower_thread_priority()
+        if not _logged_priority:
+            log.info("bubble work runs at OS priority: %s", how)
+            _logged_priority = True
+        try:
+            out.update(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            err.append(e)
+
+    t = threading.Thread(target=target, name="megarl-bubble", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out
