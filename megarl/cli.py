@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL steps to run (default 18: history drafts exist from the second epoch on, "
                         "i.e. after len(prompts)/prompts_per_step steps)")
 
+    b = bench.add_parser("schedule", help="the same RL run on N processes, plain synchronous vs. megarl's "
+                                          "scheduling (bubble fraction, rollout/step time, exactness)")
+    _add_config_args(b)
+    b.add_argument("--nproc", type=int, required=True, help="processes of each run (torchrun, gloo on CPU)")
+    b.add_argument("--json", required=True, help="where to write the figures")
+    b.add_argument("--steps", type=int, default=24,
+                   help="RL steps of each run (default 24: with configs/tiny.yaml's 512 prompts, 32 a step, "
+                        "prompts come back from step 17 on, so length-aware placement has a history)")
+    b.add_argument("--from-hf", help="HF folder both runs start from (default: the config's SFT warm-up, run "
+                                     "once first)")
+    b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
+
     from megarl.checkpoint.convert import add_convert_parser
 
     add_convert_parser(sub)
@@ -86,6 +98,15 @@ def _generate(args) -> None:
 def _bench(args, cfg) -> int:
     import json
 
+    if args.bench == "schedule":
+        from megarl.bench.schedule import bench_schedule
+
+        report = bench_schedule(args.config, cfg, args.nproc, args.json, args.steps, args.overrides,
+                                from_hf=args.from_hf, work_dir=args.work_dir)
+        for name in ("baseline", "megarl"):
+            report[name] = {k: v for k, v in report[name].items() if k != "steps"}
+        print(json.dumps(report, indent=2))
+        return 0
     from megarl.bench.rollout import bench_rollout
 
     report = bench_rollout(cfg, args.steps, args.json, progress=cfg.progress)
@@ -127,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench" and args.steps < 1:
             raise ValueError(f"--steps={args.steps} is invalid; valid range: >= 1")
+        if args.command == "bench" and args.bench == "schedule" and args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} is invalid; valid range: >= 1")
         from megarl.setup_run import prepare_inputs
         from megarl.train import check_run_dir, train
 

@@ -15,6 +15,7 @@ import yaml
 from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
 from megarl.rl.bubble import ScheduleConfig
+from megarl.rl.rewards import RewardConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
@@ -68,6 +69,10 @@ class DataConfig:
     """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (source=jsonl)."""
     tokenizer_path: str | None = None
     """Local HF tokenizer folder (source=jsonl); defaults to model.init_from_hf."""
+    reward: Literal["exact_answer", "python_tests"] = "exact_answer"
+    """Reward of a JSONL set: ``exact_answer`` compares the response's final answer with the
+    row's ``answer``; ``python_tests`` runs the response's program followed by the row's
+    ``answer`` as test code (``assert`` statements) in a sandbox (the ``reward`` section's limits)."""
 
 
 @dataclass
@@ -95,8 +100,13 @@ class RolloutConfig:
     placement: Literal["round_robin", "length"] = "round_robin"
     """How a step's prompts are spread over the rollout replicas (multi-process runs):
     ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
-    response lengths when last seen; megarl/rl/placement.py). Never changes a sample. Its gain is
-    not measured yet (issue 6's schedule benchmark), hence not the default."""
+    response lengths when last seen; megarl/rl/placement.py). Never changes a sample; it can only
+    help once prompts come back (the second epoch over the prompt set)."""
+
+    dump: bool = False
+    """Write every step's samples (prompt uid, sample index, response token ids, reward) to
+    ``RUN_DIR/rollouts.jsonl``, one line per step: for inspecting what the policy generates, and
+    for checking that two runs sampled the same tokens (``megarl bench schedule``)."""
 
     def __post_init__(self):
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
@@ -174,6 +184,8 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Failure detection across processes: a process that dies, hangs or raises ends every
     process of the run (non-zero exit, naming the rank and the cause) instead of a hang."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward scoring: worker threads, sandbox limits for code-executing rewards."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Long-tail scheduling: what rollout replicas do in their idle time (bubble work)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

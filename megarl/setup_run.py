@@ -18,6 +18,7 @@ from megarl.models.hf_io import read_hf_config, safetensors_files
 from megarl.models.mcore_sharding import check_parallel
 from megarl.parallel.layout import Layout
 from megarl.rl.data import exact_answer_reward, load_jsonl_prompts
+from megarl.rl.rewards import python_tests_problem_reward
 from megarl.rl.task import AdditionTask, Problem
 from megarl.rl.tokenizer import CharTokenizer, HFTokenizer
 
@@ -82,7 +83,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     else:
         tokenizer = HFTokenizer(cfg.data.tokenizer_path or cfg.model.init_from_hf)
         problems = load_jsonl_prompts(cfg.data.jsonl_path, tokenizer)
-        reward_fn = exact_answer_reward
+        reward_fn = exact_answer_reward if cfg.data.reward == "exact_answer" else python_tests_problem_reward
 
     if cfg.model.init_from_hf:
         hf_cfg = read_hf_config(cfg.model.init_from_hf)

@@ -23,7 +23,7 @@ from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.layout import Layout, RolloutGroups, check_trainer_groups, create_rollout_groups
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
-from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
+from megarl.rl.rollout import RolloutStage, prompt_uids_for_step, rollout_line
 from megarl.rl.sft import run_sft
 from megarl.rl.timeline import StepTimeline, bubble_fraction, gather_records, replica_sum, timeline_line
 from megarl.rl.update import StreamUpdate, grpo_update
@@ -36,7 +36,7 @@ log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
-             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups")
+             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s")
 
 
 class RunDirError(ValueError):
@@ -99,6 +99,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         if rank0:
             _truncate_metrics(run_dir / "metrics.jsonl", start)
             _truncate_metrics(run_dir / "timeline.jsonl", start)
+            _truncate_metrics(run_dir / "rollouts.jsonl", start)
         log.info("resumed from %s (step %d)", ckpt, start)
     elif cfg.sft.steps > 0:
         sft = run_sft(trainer, inputs, cfg)
@@ -162,10 +163,14 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             lengths = [len(r.tokens) for grp in groups for r in grp.results]
             with open(run_dir / "timeline.jsonl", "a") as f:
                 f.write(json.dumps(timeline_line(step + 1, records, lengths)) + "\n")
+            if cfg.rollout.dump:
+                with open(run_dir / "rollouts.jsonl", "a") as f:
+                    f.write(json.dumps(rollout_line(step + 1, groups)) + "\n")
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(run_dir, step + 1, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims,
                             ref_state=ref.state_dict() if ref is not None else None)
+    rollout.close()
     export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
     if rank0:
         log.info("exported HF checkpoint to %s", run_dir / "hf")
@@ -183,6 +188,7 @@ class _Schedule:
         pregen = cfg.spec.enabled and cfg.spec.bubble_pregen
         self.defer_stream = cfg.stream_train and "stream_train" in work
         self.pregen_in_bubble = pregen and "pregen" in work
+        self.order = [w for w in work if {"stream_train": self.defer_stream, "pregen": self.pregen_in_bubble}[w]]
         self.pregen_after = pregen and not self.pregen_in_bubble
         self.low_priority = cfg.schedule.bubble_priority == "idle" and cfg.rollout.device == "cpu"
 
@@ -192,12 +198,15 @@ class _Schedule:
             return None
 
         def work(stop) -> dict:
-            if self.defer_stream:
-                with tl.phase("train"):
-                    tl.bubble_groups = stream.drain(stop)
-            if self.pregen_in_bubble and next_uids is not None and not stop():
-                with tl.phase("bubble"):
-                    tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=stop)
+            for what in self.order:  # schedule.bubble_work's order: its priority
+                if stop():
+                    break
+                if what == "stream_train":
+                    with tl.phase("train"):
+                        tl.bubble_groups = stream.drain(stop)
+                elif next_uids is not None:
+                    with tl.phase("bubble"):
+                        tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=stop)
             return {}  # figures go to the timeline (summed over replicas there)
 
         return work

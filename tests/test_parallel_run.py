@@ -18,6 +18,9 @@ from tests.stream_train.launch import torchrun
 WORKER = Path(__file__).parent / "parallel_run_worker.py"
 # fp32 training and rollout at an RL-sized learning rate: the issue's bound (1e-6) for stream training.
 F32 = "trainer.dtype=float32,rollout.dtype=float32,trainer.lr=1e-5"
+NP8 = "task.num_prompts=16,rollout.prompts_per_step=8"
+# Every draft source, every draft verified (no cost rule), bubble work at normal priority so that it surely runs.
+BUBBLE = "spec.enabled=true,spec.bubble_pregen=true,spec.forward_cost_tokens=0,schedule.bubble_priority=normal"
 # name: (overrides, the single-process run it must equal)
 LAYOUTS = {
     "dp4": ("", "single"),
@@ -37,6 +40,10 @@ LAYOUTS = {
     # balance by (and round robin, the other policy, for comparison): neither changes a sample.
     "dp4_np8": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=length", "single_np8"),
     "dp4_np8_rr": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin", "single_np8"),
+    # Issue 6's exactness: length placement + bubble work (pre-generated bubble drafts used by the next step's
+    # speculation; stream training of finished groups in the idle replicas) vs. neither: same samples, same weights.
+    "dp4_np8_bubble": (NP8 + ",rollout.placement=length," + BUBBLE, "single_np8"),
+    "dp4_np8_bubble_stream": (NP8 + ",rollout.placement=length,stream_train=true," + BUBBLE, "single_np8"),
     # Starting from a HF folder (the single run's export): each trainer rank reads only its piece.
     "from_hf_tp2pp2": ("model.init_from_hf={out}/single/hf,parallel.trainer_tp=2,parallel.trainer_pp=2",
                        "from_hf_single"),
@@ -71,8 +78,10 @@ def test_layout_run_equals_single_process_run(runs, layout):
     want, got = metrics(runs / single), metrics(runs / layout)
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
     for g, w in zip(got, want):
-        for key in ("reward_mean", "response_len_mean", "rollout_tokens", "zero_var_groups", "target_forwards"):
+        for key in ("reward_mean", "response_len_mean", "rollout_tokens", "zero_var_groups"):
             assert g[key] == w[key], (layout, g["step"], key)  # identical samples
+        if "spec.enabled=true" not in LAYOUTS.get(layout, ("",))[0]:  # speculation: fewer forwards, same tokens
+            assert g["target_forwards"] == w["target_forwards"], (layout, g["step"])
         assert abs(g["loss"] - w["loss"]) <= 1e-6 * max(1.0, abs(w["loss"]))
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"]  # Megatron sums it in fp32
         assert g["update_ok"] == 1.0
@@ -84,3 +93,28 @@ def test_layout_run_equals_single_process_run(runs, layout):
     moved = max((ref[k] - v).abs().max().item() for k, v in load_file(runs / single / "hf0.safetensors").items())
     assert moved > 10 * TOL[single], (single, moved)  # the steps changed the weights: the bound means something
     assert diff <= TOL[single], (layout, diff)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["dp4_np8_bubble", "dp4_np8_bubble_stream"])
+def test_bubble_work_ran_and_is_accounted(runs, layout):
+    """The equality above means something only if bubble work ran: drafts made in idle replicas
+    were used (fewer forwards than tokens), stream training happened in the idle time; and every
+    step's timeline has each rank's phases covering its rollout phase."""
+    got = metrics(runs / layout)
+    assert sum(m["bubble_tokens"] for m in got) > 0
+    assert any(m["target_forwards"] < m["rollout_tokens"] for m in got[1:])
+    if "stream" in layout:
+        assert sum(m["bubble_groups"] for m in got) > 0
+    lines = [json.loads(x) for x in (runs / layout / "timeline.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in lines] == [1, 2, 3]
+    for t, m in zip(lines, got):
+        assert [r["rank"] for r in t["ranks"]] == [0, 1, 2, 3]
+        assert sorted(r["replica"] for r in t["ranks"]) == [0, 1, 2, 3]
+        assert len(t["response_lengths"]) == 8 * 3  # prompts x group size
+        assert sum(t["response_lengths"]) == m["rollout_tokens"]
+        assert 0.0 <= m["bubble_frac"] <= 1.0
+        for r in t["ranks"]:
+            covered = sum(min(e["end"], r["rollout_end"]) - e["start"] for e in r["events"] if e["start"] < r["rollout_end"])
+            assert covered == pytest.approx(r["rollout_end"], abs=1e-3)  # no gap in the rollout phase
+            assert sum(e["end"] - e["start"] for e in r["events"] if e["phase"] == "generate") > 0

@@ -102,6 +102,59 @@ def lower_thread_priority() -> str:
         return f"unchanged ({e})"
 
 
+class AutogroupNice:
+    """Lower this process's autogroup to nice 19 for a while, then restore it (Linux).
+
+    torchrun starts every worker in its own session, and Linux gives each session its own
+    scheduling group (``/proc/sys/kernel/sched_autogroup_enabled``), shared fairly with the other
+    groups whatever its threads' policies: a process whose only runnable thread is SCHED_IDLE
+    still takes a full share from its neighbours. The group's nice value is what counts between
+    groups. Raising it back needs the privilege to raise priority (root or RLIMIT_NICE), so it is
+    only lowered where a probe (nice 1, then back to the original) shows it can be restored."""
+
+    PATH = "/proc/self/autogroup"
+    _can_restore: bool | None = None
+
+    def __init__(self, nice: int = 19):
+        self.nice, self.saved = nice, None
+
+    @staticmethod
+    def _read() -> int | None:
+        try:
+            with open(AutogroupNice.PATH) as f:
+                return int(f.read().split("nice")[1])  # "/autogroup-1136 nice 0"
+        except (OSError, IndexError, ValueError):
+            return None
+
+    @staticmethod
+    def _write(nice: int) -> bool:
+        try:
+            with open(AutogroupNice.PATH, "w") as f:
+                f.write(str(nice))
+            return True
+        except OSError:
+            return False
+
+    @classmethod
+    def available(cls) -> bool:
+        if cls._can_restore is None:
+            now = cls._read()
+            cls._can_restore = (now is not None and now < 19 and cls._write(now + 1) and cls._write(now)
+                                and cls._read() == now)
+        return cls._can_restore
+
+    def __enter__(self) -> bool:
+        if self.available():
+            self.saved = self._read()
+            if not self._write(self.nice):
+                self.saved = None
+        return self.saved is not None
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None and not self._write(self.saved):
+            log.warning("could not restore this process's autogroup nice value to %d", self.saved)
+
+
 _logged_priority = False
 
 
@@ -121,13 +174,15 @@ def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: 
         if flush_denormal:
             torch.set_flush_denormal(True)
         how = lower_thread_priority()
-        if not _logged_priority:
-            log.info("bubble work runs at OS priority: %s", how)
-            _logged_priority = True
-        try:
-            out.update(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            err.append(e)
+        with AutogroupNice() as group_lowered:
+            if not _logged_priority:
+                log.info("bubble work runs at OS priority: %s%s", how,
+                         ", process autogroup nice 19" if group_lowered else "")
+                _logged_priority = True
+            try:
+                out.update(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                err.append(e)
 
     t = threading.Thread(target=target, name="megarl-bubble", daemon=True)
     t.start()

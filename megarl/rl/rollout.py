@@ -18,6 +18,7 @@ from megarl.config import RunConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
 from megarl.rl.bubble import PhaseEnd, run_bubble_work
 from megarl.rl.placement import LengthHistory, place
+from megarl.rl.reward_pool import RewardPool
 from megarl.rl.task import Problem
 from megarl.rl.timeline import StepTimeline
 
@@ -71,6 +72,8 @@ class RolloutStage:
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
+        self.pool = RewardPool(cfg.reward.workers, cfg.reward.sandbox, cfg.reward.adaptive_timeout)
+        self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
@@ -99,39 +102,33 @@ class RolloutStage:
         tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
         self.bubble_figures = {}
+        errors0 = self.pool.stats()["error_total"]
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
-        on_finish = None
-        if on_group is not None:
-            g = self.cfg.rollout.group_size
-            pending = {k: [None] * g for k in range(len(mine))}
-
-            def on_finish(i: int, result: Result) -> None:
-                k = i // g  # requests are grouped by prompt: request i is sample i % g of prompt k
-                pending[k][i % g] = result
-                if all(r is not None for r in pending[k]):
-                    with tl.phase("train"):
-                        on_group(self.groups([mine[k]], pending.pop(k))[0])
-
+        scoring = _Scoring(self, mine, on_group, tl)
         t_gen = time.perf_counter()
-        results = self.engine.generate(self.requests(mine), step=step, on_finish=on_finish)
+        results = self.engine.generate(self.requests(mine), step=step, on_finish=scoring.on_finish)
         tl.fill("generate", t_gen, time.perf_counter())
         tl.tokens = sum(len(x.tokens) for x in results)
         self.engine_forwards = self.engine.stats["forwards"]
         self.spec_metrics = self.engine.spec.metrics() if self.engine.spec is not None else {}
         self.replica_tokens = [tl.tokens]
+        with tl.phase("reward"):  # what the pool has not finished yet (and the groups not yet handed on)
+            rewards = scoring.finish()
+        self.reward_errors = self.pool.stats()["error_total"] - errors0
         if self.replicas > 1:
-            results = self._exchange(uids, step, assignment, results, bubble, low_priority)
-        with tl.phase("reward"):
-            groups = self.groups(uids, results)
+            results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
+        g = self.cfg.rollout.group_size
+        groups = [Group(self.inputs.problems[u], results[k * g:(k + 1) * g], rewards[k * g:(k + 1) * g])
+                  for k, u in enumerate(uids)]
         for grp in groups:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
 
-    def _exchange(self, uids, step, assignment, results, bubble, low_priority) -> list[Result]:
-        """Bubble work until every replica is done, then every replica's results (and the step +
-        1 bubble drafts) to every replica, in ``uids`` order."""
+    def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
+        """Bubble work until every replica is done, then every replica's results and rewards (and
+        the step + 1 bubble drafts) to every replica, in ``uids`` order."""
         if bubble is not None:
             end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
             end.post()
@@ -141,26 +138,35 @@ class RolloutStage:
         bubble_src = self.engine.spec.bubble if self.engine.spec is not None else None
         drafts = bubble_src.drafts(step + 1) if bubble_src is not None else {}
         shares = [None] * self.replicas
-        dist.all_gather_object(shares, (results, self.engine_forwards, drafts), group=self.dp_group)
+        mine = (results, rewards, self.engine_forwards, self.reward_errors, drafts)
+        dist.all_gather_object(shares, mine, group=self.dp_group)
         g = self.cfg.rollout.group_size
-        by_index: dict[int, list[Result]] = {}
-        for (res, _, _), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
+        by_index: dict[int, tuple[list[Result], list[float]]] = {}
+        for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
             for k, j in enumerate(indices):
-                by_index[j] = res[k * g:(k + 1) * g]
+                by_index[j] = (res[k * g:(k + 1) * g], rew[k * g:(k + 1) * g])
         history = self.engine.spec.source("history") if self.engine.spec is not None else None
-        for r, (res, _, their_drafts) in enumerate(shares):
+        for r, (res, _, _, _, their_drafts) in enumerate(shares):
             if r == self.replica:
                 continue
             if bubble_src is not None and their_drafts:
                 bubble_src.merge(step + 1, their_drafts)
             if history is not None:  # other replicas' samples are history drafts here too
                 history.end(res, step, "rollout")
-        self.engine_forwards = sum(f for _, f, _ in shares)
-        self.replica_tokens = [sum(len(x.tokens) for x in res) for res, _, _ in shares]
-        return [x for j in range(len(uids)) for x in by_index[j]]
+        self.engine_forwards = sum(s[2] for s in shares)
+        self.reward_errors = sum(s[3] for s in shares)
+        self.replica_tokens = [sum(len(x.tokens) for x in s[0]) for s in shares]
+        results = [x for j in range(len(uids)) for x in by_index[j][0]]
+        rewards = [x for j in range(len(uids)) for x in by_index[j][1]]
+        return results, rewards
+
+    def close(self) -> None:
+        """Stop the reward pool's threads (after the last ``run``)."""
+        self.pool.close()
 
     def groups(self, uids: list[int], results: list[Result]) -> list[Group]:
-        """The results of ``requests(uids)`` as GRPO groups, with their rewards."""
+        """The results of ``requests(uids)`` as GRPO groups, with their rewards scored here, one
+        by one (``run`` scores them in the pool as they finish)."""
         tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
         groups = []
         for k, u in enumerate(uids):
@@ -208,6 +214,8 @@ class RolloutStage:
             "response_len_p50": float(np.percentile(lens, 50)),
             "truncated_frac": float(np.mean([r.finish_reason == "length" for r in results])),
             "zero_var_groups": int(sum(len(set(g.rewards)) == 1 for g in groups)),
+            "reward_errors": self.reward_errors,
+            "reward_timeout_s": self.pool.stats()["timeout_s"],
             "rollout_tokens": int(lens.sum()),
             "target_forwards": forwards,
             "engine_forwards": self.engine_forwards,
@@ -216,3 +224,54 @@ class RolloutStage:
             # Without speculation every token costs its request one forward.
             "forward_reduction": 1.0 - forwards / max(1, int(lens.sum())),
         }
+
+
+def rollout_line(step: int, groups: list[Group]) -> dict:
+    """One line of ``rollouts.jsonl`` (``rollout.dump``): every sample of the step, in order."""
+    return {"step": step, "samples": [{"uid": r.uid, "sample_idx": r.sample_idx, "tokens": list(r.tokens),
+                                       "reward": reward, "finish_reason": r.finish_reason}
+                                      for g in groups for r, reward in zip(g.results, g.rewards)]}
+
+
+class _Scoring:
+    """Rewards of one replica's share of a step, scored in the pool as each response finishes;
+    with ``on_group`` (stream training) each group is handed on once its last sample is out and
+    scored, strictly in the order the groups finished (the gradients are summed in that order,
+    so it must not depend on how fast rewards come back)."""
+
+    def __init__(self, stage: RolloutStage, mine: list[int], on_group, tl: StepTimeline):
+        self.stage, self.mine, self.on_group, self.tl = stage, mine, on_group, tl
+        self.g = stage.cfg.rollout.group_size
+        self.results: list[list[Result | None]] = [[None] * self.g for _ in mine]
+        self.futures: list[list] = [[None] * self.g for _ in mine]
+        self.done: list[int] = []  # groups whose samples are all out, in finishing order
+        self.next = 0  # done[next:] are not handed on yet
+
+    def on_finish(self, i: int, result: Result) -> None:
+        k = i // self.g  # requests are grouped by prompt: request i is sample i % g of prompt k
+        st = self.stage
+        self.results[k][i % self.g] = result
+        problem = st.inputs.problems[self.mine[k]]
+        self.futures[k][i % self.g] = st.pool.submit(st.inputs.reward_fn, problem,
+                                                     st.inputs.tokenizer.decode(result.tokens))
+        if all(r is not None for r in self.results[k]):
+            self.done.append(k)
+        self._hand_on(wait=False)
+
+    def _hand_on(self, wait: bool) -> None:
+        if self.on_group is None:
+            return
+        while self.next < len(self.done):
+            k = self.done[self.next]
+            if not wait and not all(f.done() for f in self.futures[k]):
+                return
+            group = Group(self.stage.inputs.problems[self.mine[k]], self.results[k],
+                          [f.result() for f in self.futures[k]])
+            with self.tl.phase("train"):
+                self.on_group(group)
+            self.next += 1
+
+    def finish(self) -> list[float]:
+        """After generation: every group handed on, and this share's rewards, in request order."""
+        self._hand_on(wait=True)
+        return [f.result() for fs in self.futures for f in fs]

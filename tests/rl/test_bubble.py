@@ -150,3 +150,16 @@ def test_lower_thread_priority_only_touches_the_calling_thread():
     assert out["how"] in ("SCHED_IDLE", "nice 19") or out["how"].startswith("unchanged")
     if hasattr(os, "sched_getscheduler"):
         assert os.sched_getscheduler(0) != getattr(os, "SCHED_IDLE", -1)  # the main thread keeps its class
+
+
+def test_autogroup_nice_is_lowered_for_the_bubble_and_restored():
+    """torchrun puts each worker in its own session, hence its own autogroup, where thread
+    policies do not count against the other processes: the group's nice value does."""
+    from megarl.rl.bubble import AutogroupNice
+
+    if not AutogroupNice.available():
+        pytest.skip("no /proc/self/autogroup, or its nice value cannot be restored here")
+    before = AutogroupNice._read()
+    with AutogroupNice() as lowered:
+        assert lowered and AutogroupNice._read() == 19
+    assert AutogroupNice._read() == before
