@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--from-hf", help="HF folder both runs start from (default: the config's SFT warm-up, run "
                                      "once first)")
     b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
+    b.add_argument("--tail", action="store_true", help="also run megarl with tail batching (reported apart: it "
+                                                         "trains other prompts per step, so no exact match)")
 
     from megarl.checkpoint.convert import add_convert_parser
 
@@ -102,9 +104,10 @@ def _bench(args, cfg) -> int:
         from megarl.bench.schedule import bench_schedule
 
         report = bench_schedule(args.config, cfg, args.nproc, args.json, args.steps, args.overrides,
-                                from_hf=args.from_hf, work_dir=args.work_dir)
-        for name in ("baseline", "megarl"):
-            report[name] = {k: v for k, v in report[name].items() if k != "steps"}
+                                from_hf=args.from_hf, work_dir=args.work_dir, tail=args.tail)
+        for name in ("baseline", "megarl", "tail"):
+            if name in report:
+                report[name] = {k: v for k, v in report[name].items() if k != "steps"}
         print(json.dumps(report, indent=2))
         return 0
     from megarl.bench.rollout import bench_rollout

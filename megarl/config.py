@@ -16,6 +16,7 @@ from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
 from megarl.rl.bubble import ScheduleConfig
 from megarl.rl.rewards import RewardConfig
+from megarl.rl.tail import TailConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
@@ -126,6 +127,10 @@ class GRPOConfig:
     """Weight of the k3 KL to the reference (the post-SFT policy); 0 turns it off (no ref forward)."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group's std."""
+    drop_zero_variance: bool = False
+    """DAPO's dynamic sampling, filter half: groups whose G rewards are all equal carry no
+    advantage signal and are not trained (counted as ``zero_var_dropped``); the loss is
+    normalised by the tokens of the groups trained. A step left with none takes no update."""
 
 
 @dataclass
@@ -179,6 +184,9 @@ class RunConfig:
     """RL objective."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-up."""
+    tail: TailConfig = field(default_factory=TailConfig)
+    """Tail batching (opt-in): short rounds that stop at prompts_per_step complete prompts, long
+    rounds over the deferred ones; on-policy."""
     spec: SpecConfig = field(default_factory=SpecConfig)
     """Speculative rollouts (exact: they change speed, never samples)."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)

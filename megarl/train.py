@@ -23,10 +23,11 @@ from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.layout import Layout, RolloutGroups, check_trainer_groups, create_rollout_groups
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
-from megarl.rl.rollout import RolloutStage, prompt_uids_for_step, rollout_line
+from megarl.rl.rollout import RolloutStage, rollout_line
 from megarl.rl.sft import run_sft
 from megarl.rl.timeline import StepTimeline, bubble_fraction, gather_records, replica_sum, timeline_line
-from megarl.rl.update import StreamUpdate, grpo_update
+from megarl.rl.tail import PromptSchedule
+from megarl.rl.update import StreamUpdate, grpo_update, trained_groups
 from megarl.setup_run import RunInputs, check_layout, prepare_inputs
 from megarl.spec.speculator import Speculator
 from megarl.stream_train.trainer import Trainer
@@ -92,10 +93,12 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
         spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
     start, trainer_state = 0, {}
+    prompts = PromptSchedule(cfg, len(inputs.problems))
     if ckpt is not None:
         trainer_state, loop_state = load_checkpoint(ckpt, dims)
         trainer.load_state_dict(trainer_state)
         start = loop_state["step"]
+        prompts.load_state_dict(loop_state)
         if rank0:
             _truncate_metrics(run_dir / "metrics.jsonl", start)
             _truncate_metrics(run_dir / "timeline.jsonl", start)
@@ -130,15 +133,18 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     for step in bar:
         tl = StepTimeline(dims.rank, replica)
         t0 = tl.t0
-        uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
-        next_uids = prompt_uids_for_step(step + 1, cfg, len(inputs.problems)) if step + 1 < cfg.rl_steps else None
+        rnd = prompts.round(step)
+        next_uids = prompts.next_uids(step, rnd)
         stream = StreamUpdate(trainer, cfg, inputs, ref, defer=sched.defer_stream) if cfg.stream_train else None
         if stream is not None:
             stream.begin()
-        groups = rollout.run(uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
+        groups = rollout.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
                              bubble=sched.bubble_fn(rollout, stream, tl, next_uids, step),
-                             low_priority=sched.low_priority)
-        rollout_metrics = {**rollout.metrics(groups), **rollout.bubble_figures}
+                             low_priority=sched.low_priority, keep=rnd.keep)
+        rollout_metrics = {**rollout.metrics(groups), **rollout.bubble_figures,
+                           **prompts.commit(rnd, [g.problem.uid for g in groups])}
+        if cfg.grpo.drop_zero_variance:
+            rollout_metrics["zero_var_dropped"] = len(groups) - len(trained_groups(groups, cfg))
         t1 = time.perf_counter()
         if sched.pregen_after and next_uids is not None:
             # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
@@ -168,8 +174,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                     f.write(json.dumps(rollout_line(step + 1, groups)) + "\n")
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(run_dir, step + 1, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims,
-                            ref_state=ref.state_dict() if ref is not None else None)
+            save_checkpoint(run_dir, step + 1, trainer.state_dict(), prompts.state_dict(), keep=cfg.keep_checkpoints,
+                            dims=dims, ref_state=ref.state_dict() if ref is not None else None)
     rollout.close()
     export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
     if rank0:

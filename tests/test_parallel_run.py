@@ -48,8 +48,16 @@ LAYOUTS = {
     "from_hf_tp2pp2": ("model.init_from_hf={out}/single/hf,parallel.trainer_tp=2,parallel.trainer_pp=2",
                        "from_hf_single"),
 }
+# Tail batching: 8 prompts started per short round, the first 4 complete kept (1 per replica on 4), the rest
+# queued for a long round. Which prompts make it depends on the replica count, so these runs are compared with
+# each other: resumed (the queue is in the checkpoint) and with stream training, against the plain 4-process run.
+TAIL = "tail.enabled=true,tail.overprovision=2.0"
+# On 4 replicas: 8 prompts started (2 each, 1 kept each unless both finish at once), responses up to 40 tokens so
+# that prompts finish apart.
+TAIL4 = "tail.enabled=true,tail.overprovision=2.0,rollout.max_new_tokens=40"
+TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_resumed": TAIL4 + ",resume_at=2", "dp4_tail_stream": TAIL4 + ",stream_train=true"}
 # Single-process runs: the references, and stream training in one process.
-SINGLE = {"single": "", "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
+SINGLE = {"single": "", "single_tail": TAIL, "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
           "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8"}
 # Tolerance on the final weights against the reference: fp64 runs differ by rounding only; the
 # fp32 runs use a learning rate of RL's scale (Adam turns rounding noise in gradients that are
@@ -61,7 +69,8 @@ TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     torchrun(WORKER, 1, str(out), *(f"{name}={fields.format(out=out)}" for name, fields in SINGLE.items()))
-    torchrun(WORKER, 4, str(out), *(f"{name}={fields.format(out=out)}" for name, (fields, _) in LAYOUTS.items()))
+    torchrun(WORKER, 4, str(out), *(f"{name}={fields.format(out=out)}" for name, (fields, _) in LAYOUTS.items()),
+             *(f"{name}={fields}" for name, fields in TAIL_RUNS.items()))
     return out
 
 
@@ -118,3 +127,32 @@ def test_bubble_work_ran_and_is_accounted(runs, layout):
             covered = sum(min(e["end"], r["rollout_end"]) - e["start"] for e in r["events"] if e["start"] < r["rollout_end"])
             assert covered == pytest.approx(r["rollout_end"], abs=1e-3)  # no gap in the rollout phase
             assert sum(e["end"] - e["start"] for e in r["events"] if e["phase"] == "generate") > 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ["single_tail", *TAIL_RUNS])
+def test_tail_batching_is_on_policy_and_repeatable(runs, run):
+    """Short rounds keep the first complete prompts and queue the rest; a long round runs the queue.
+    Every trained sample comes from the weights being trained (engine and trainer logprobs agree to
+    fp64 rounding: a sample carried over from an older step would differ by ~1e-3, see
+    tests/rl/test_tail.py); the resumed run and the stream-trained one equal the plain one."""
+    got = metrics(runs / run)
+    assert sum(m["tail_deferred"] for m in got) > 0
+    queue = 0
+    for m in got:  # a long round exactly when the queue holds a step's worth (4 prompts); it defers nothing
+        assert m["tail_long_round"] == float(queue >= 4) and (m["tail_deferred"] == 0 or not m["tail_long_round"])
+        queue = m["tail_queue"]
+    if run == "single_tail":
+        assert [m["tail_long_round"] for m in got] == [0.0, 1.0, 0.0]  # short, long (the queue), short
+    if "stream" not in run:  # (stream training takes its old logprobs from the same forward)
+        assert all(m["logprob_diff_max"] <= 1e-9 for m in got)
+    if run == "single_tail":
+        return
+    want = metrics(runs / "dp4_tail")
+    for g, w in zip(got, want):
+        for key in ("reward_mean", "response_len_mean", "rollout_tokens", "tail_deferred", "tail_queue"):
+            assert g[key] == w[key], (run, g["step"], key)
+        assert abs(g["loss"] - w["loss"]) <= 1e-9 * max(1.0, abs(w["loss"]))
+    ref = load_file(runs / "dp4_tail" / "hf" / "model.safetensors")
+    weights = load_file(runs / run / "hf" / "model.safetensors")
+    assert max((weights[k] - v).abs().max().item() for k, v in ref.items()) <= 1e-9

@@ -18,6 +18,11 @@ step sampled the very same tokens in both runs (``rollout.dump``), and the final
 within ``weight_tol`` (stream training sums the same gradients in another order: equal up to
 fp32 rounding, ``weights_max_abs_diff`` says how close). Each run's timeline is in
 ``<work dir>/<variant>/timeline.jsonl`` (``megarl report`` draws it).
+
+With ``--tail``, a third run, ``tail``: megarl plus tail batching (megarl/rl/tail.py), with
+``tail_rollout_speedup`` and ``tail_step_speedup`` against the baseline. Its steps train other
+prompts than the baseline's (short rounds defer the slowest), so it is not in ``exact_match``;
+its on-policy check is ``logprob_diff_max`` in its metrics.
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ VARIANTS = {
     "megarl": ["spec.enabled=true", "spec.bubble_pregen=true", "rollout.placement=length",
                "stream_train=true", "schedule.bubble_work=[stream_train,pregen]"],
 }
+# megarl plus tail batching (opt-in; it changes which prompts each step trains, so it is reported apart and
+# not part of exact_match): the short rounds' gain on rollout and step time.
+TAIL = ["tail.enabled=true"]
 KEYS = ("bubble_frac", "rollout_time_s", "step_time_s")
 
 
@@ -80,7 +88,8 @@ def _summary(run_dir: Path) -> dict:
     out = {k: float(np.mean([m[k] for m in metrics])) for k in KEYS}
     out["forward_reduction"] = float(np.mean([m["forward_reduction"] for m in metrics]))
     out["steps"] = [{k: m.get(k) for k in (*KEYS, "step", "train_time_s", "forward_reduction", "bubble_tokens",
-                                             "bubble_groups", "replica_token_imbalance", "response_len_max")}
+                                             "bubble_groups", "replica_token_imbalance", "response_len_max",
+                                             "reward_mean", "tail_long_round", "tail_deferred", "logprob_diff_max")}
                     for m in metrics]
     return out
 
@@ -107,7 +116,7 @@ def _weights_diff(a: Path, b: Path) -> float:
 
 def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str, steps: int,
                    overrides: list[str], from_hf: str | None = None, work_dir: str | None = None,
-                   weight_tol: float = 1e-5) -> dict:
+                   weight_tol: float = 1e-5, tail: bool = False) -> dict:
     if nproc < 1:
         raise ValueError(f"--nproc={nproc} is invalid; valid range: >= 1")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-bench-schedule-"))
@@ -126,6 +135,13 @@ def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str
         print(f"bench schedule: {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
         wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
         report[name] = {**_summary(work / name), "wall_s": wall}
+    if tail:
+        print(f"bench schedule: megarl + tail batching on {nproc} processes, {steps} steps -> {work / 'tail'}",
+              flush=True)
+        wall = _launch(nproc, config, [*base, *VARIANTS["megarl"], *TAIL], work / "tail", work / "tail.log")
+        report["tail"] = {**_summary(work / "tail"), "wall_s": wall}
+        report["tail_rollout_speedup"] = report["baseline"]["rollout_time_s"] / report["tail"]["rollout_time_s"]
+        report["tail_step_speedup"] = report["baseline"]["step_time_s"] / report["tail"]["step_time_s"]
     same, first_diff = _same_samples(work / "baseline", work / "megarl")
     diff = _weights_diff(work / "baseline", work / "megarl")
     report.update(

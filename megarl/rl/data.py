@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 from megarl.rl.task import ANSWER_MARKER, Problem
 from megarl.rl.tokenizer import Tokenizer
 
 _EXPECTED = 'expected one JSON object per line like {"prompt": "12+7=", "answer": "19"}'
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The order of the ``n`` prompts in epoch ``epoch`` of a run with seed ``seed``: a pure
+    function of them, so every process, a resumed run and a rank that works ahead agree."""
+    order = list(range(n))
+    random.Random(f"megarl-data-{seed}-{epoch}").shuffle(order)
+    return order
 
 
 def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> list[Problem]:

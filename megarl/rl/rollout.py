@@ -6,7 +6,7 @@ concatenated per-epoch permutations, so a resumed run and a rank that pre-genera
 """
 from __future__ import annotations
 
-import random
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,16 +17,11 @@ import torch.distributed as dist
 from megarl.config import RunConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
 from megarl.rl.bubble import PhaseEnd, run_bubble_work
+from megarl.rl.data import epoch_order
 from megarl.rl.placement import LengthHistory, place
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.task import Problem
 from megarl.rl.timeline import StepTimeline
-
-
-def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
-    order = list(range(n))
-    random.Random(f"megarl-data-{seed}-{epoch}").shuffle(order)
-    return order
 
 
 def prompt_uids_for_step(step: int, cfg: RunConfig, n: int) -> list[int]:
@@ -74,6 +69,7 @@ class RolloutStage:
         self.history = LengthHistory()
         self.pool = RewardPool(cfg.reward.workers, cfg.reward.sandbox, cfg.reward.adaptive_timeout)
         self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
+        self.deferred: list[int] = []  # prompts the last run() left incomplete (tail batching's keep)
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
@@ -89,7 +85,7 @@ class RolloutStage:
 
     def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None,
             timeline: StepTimeline | None = None, bubble: Callable[[Callable[[], bool]], dict] | None = None,
-            low_priority: bool = False) -> list[Group]:
+            low_priority: bool = False, keep: int | None = None) -> list[Group]:
         """Every group of ``uids`` (all replicas'). ``on_group(group)`` is called, in this process,
         for each group of this replica as soon as its last sample finishes (stream training).
 
@@ -98,7 +94,12 @@ class RolloutStage:
         done; ``low_priority``: at the OS's idle priority) before the replicas exchange their
         groups, and the bubble drafts made for step + 1 are exchanged with them. ``timeline``
         gets this process's generate / train / idle phases; the rollout phase ends after the
-        exchange."""
+        exchange.
+
+        ``keep`` (tail batching, megarl/rl/tail.py): stop generating once ``keep`` prompts are
+        complete (each replica once its share, ``ceil(keep / replicas)``, is): only the complete
+        groups are returned, in ``uids`` order, and the others are left in ``self.deferred``.
+        Completion is counted in engine iterations, so which prompts make it is deterministic."""
         tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
         self.bubble_figures = {}
@@ -106,8 +107,13 @@ class RolloutStage:
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
         scoring = _Scoring(self, mine, on_group, tl)
+        should_stop = None
+        if keep is not None:
+            quota = min(len(mine), math.ceil(keep / self.replicas))
+            should_stop = lambda: len(scoring.done) >= quota  # noqa: E731
         t_gen = time.perf_counter()
-        results = self.engine.generate(self.requests(mine), step=step, on_finish=scoring.on_finish)
+        results = self.engine.generate(self.requests(mine), step=step, on_finish=scoring.on_finish,
+                                       should_stop=should_stop)
         tl.fill("generate", t_gen, time.perf_counter())
         tl.tokens = sum(len(x.tokens) for x in results)
         self.engine_forwards = self.engine.stats["forwards"]
@@ -120,8 +126,13 @@ class RolloutStage:
             results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
         g = self.cfg.rollout.group_size
-        groups = [Group(self.inputs.problems[u], results[k * g:(k + 1) * g], rewards[k * g:(k + 1) * g])
-                  for k, u in enumerate(uids)]
+        groups, self.deferred = [], []
+        for k, u in enumerate(uids):
+            res = results[k * g:(k + 1) * g]
+            if any(r.finish_reason == "aborted" for r in res):
+                self.deferred.append(u)
+            else:
+                groups.append(Group(self.inputs.problems[u], res, rewards[k * g:(k + 1) * g]))
         for grp in groups:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
@@ -271,7 +282,8 @@ class _Scoring:
                 self.on_group(group)
             self.next += 1
 
-    def finish(self) -> list[float]:
-        """After generation: every group handed on, and this share's rewards, in request order."""
+    def finish(self) -> list[float | None]:
+        """After generation: every complete group handed on, and this share's rewards, in
+        request order (None for a request aborted by a short round: it was never scored)."""
         self._hand_on(wait=True)
-        return [f.result() for fs in self.futures for f in fs]
+        return [f.result() if f is not None else None for fs in self.futures for f in fs]

@@ -24,7 +24,20 @@ def ref_token_logprobs(ref, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
+def has_signal(group) -> bool:
+    """A group whose rewards are not all equal (its advantages are not all zero)."""
+    return len(set(group.rewards)) > 1
+
+
+def trained_groups(groups, cfg: RunConfig) -> list:
+    """The groups a step trains: all, or with ``grpo.drop_zero_variance`` those with a signal."""
+    return [g for g in groups if has_signal(g)] if cfg.grpo.drop_zero_variance else list(groups)
+
+
 def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, float]:
+    groups = trained_groups(groups, cfg)
+    if not groups:  # every group dropped: no update (every process sees the same groups)
+        return {"update_skipped": 1.0}
     g = cfg.rollout.group_size
     results = [r for grp in groups for r in grp.results]
     rewards = torch.tensor([x for grp in groups for x in grp.rewards], dtype=torch.float32)
@@ -36,6 +49,7 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
     # One optimizer step per RL step, so old == current policy and the ratio starts at 1; computed
     # explicitly all the same so that the objective stays PPO's if more updates per step are added.
     batch["old_logprobs"] = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"])
+    diff = _logprob_diff_max(trainer, batch, results, cfg)
     if ref is not None:
         batch["ref_logprobs"] = ref_token_logprobs(ref, batch["input_ids"])
     c = cfg.grpo
@@ -47,7 +61,29 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
 
     out = trainer.train_step(batch, loss_fn)
     out["adv_abs_mean"] = float(adv.abs().mean())
+    if diff is not None:
+        out["logprob_diff_max"] = diff
     return out
+
+
+def _logprob_diff_max(trainer, batch, results, cfg: RunConfig) -> float | None:
+    """Largest |engine logprob - trainer logprob| over the step's response tokens (all DP ranks):
+    the on-policy check. Every sample must come from the weights being trained, so the two agree
+    up to the engine's and trainer's rounding; a sample carried over from older weights shows up
+    at once. Only at temperature 1, where the engine's logprobs are the trainer's distribution."""
+    if cfg.rollout.temperature != 1.0:
+        return None
+    d = trainer.dims
+    rows = results[d.dp_rank::d.dp] if d.dp > 1 else results
+    eng = torch.zeros_like(batch["old_logprobs"], dtype=torch.float64)
+    for b, r in enumerate(rows):
+        start = len(r.prompt_ids) - 1
+        eng[b, start:start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float64)
+    diff = ((batch["old_logprobs"].double() - eng).abs() * batch["loss_mask"].double()).max().reshape(1)
+    if d.dp > 1:
+        diff = diff.to(d.device)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=d.dp_group)
+    return float(diff)
 
 
 class StreamUpdate:
@@ -99,6 +135,8 @@ class StreamUpdate:
         return n
 
     def _train(self, group) -> None:
+        if self.cfg.grpo.drop_zero_variance and not has_signal(group):
+            return
         t0 = time.perf_counter()
         g = self.cfg.rollout.group_size
         adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float32), g,
@@ -128,11 +166,15 @@ class StreamUpdate:
         if dims.dp > 1:
             dist.all_reduce(count, group=dims.dp_group)
         tokens, n_groups = count.tolist()
-        if n_groups != len(groups):
+        want = len(trained_groups(groups, self.cfg))
+        if n_groups != want:
             raise RuntimeError(f"stream training trained {int(n_groups)} groups over the data-parallel ranks but "
-                               f"the step has {len(groups)}: every group must be trained exactly once")
+                               f"the step has {want} to train: every group must be trained exactly once")
+        if want == 0:  # every group dropped: no update
+            return {"update_skipped": 1.0, "stream_train_time_s": self.seconds}
         out = self.trainer.finish_step(scale=1.0 / max(tokens, 1.0))
-        rewards = torch.tensor([x for grp in groups for x in grp.rewards], dtype=torch.float32)
+        trained = trained_groups(groups, self.cfg)
+        rewards = torch.tensor([x for grp in trained for x in grp.rewards], dtype=torch.float32)
         adv = group_advantages(rewards, self.cfg.rollout.group_size, normalize_std=self.cfg.grpo.normalize_std)
         out["adv_abs_mean"] = float(adv.abs().mean())
         out["stream_train_time_s"] = self.seconds
