@@ -141,16 +141,17 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         groups = rollout.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
                              bubble=sched.bubble_fn(rollout, stream, tl, next_uids, step),
                              low_priority=sched.low_priority, keep=rnd.keep)
-        rollout_metrics = {**rollout.metrics(groups), **rollout.bubble_figures,
-                           **prompts.commit(rnd, [g.problem.uid for g in groups])}
+        rollout_metrics = {**rollout.metrics(groups), **prompts.commit(rnd, [g.problem.uid for g in groups])}
         if cfg.grpo.drop_zero_variance:
             rollout_metrics["zero_var_dropped"] = len(groups) - len(trained_groups(groups, cfg))
         t1 = time.perf_counter()
+        rollout.wait_bubble()  # a stream-training unit may still be in flight (its time is its own "train")
         if sched.pregen_after and next_uids is not None:
             # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
             # bubble drafts made after the rollout, with the weights that sampled this step.
             with tl.phase("bubble"):
                 tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1)
+        rollout.share_drafts(step)
         t_bubble = time.perf_counter()
         with tl.phase("train"):
             metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)

@@ -158,35 +158,55 @@ class AutogroupNice:
 _logged_priority = False
 
 
-def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False) -> dict:
-    """Run ``fn`` (bubble work that checks its own stop condition) and return its figures; with
-    ``low_priority``, in a thread at idle priority (the caller waits for it: its exception, if
-    any, is raised here). ``flush_denormal`` repeats the engine's ``torch.set_flush_denormal``
-    in that thread: the flag lives in a per-thread CPU register, and without it the thread's
-    results (and speed) would differ from the main thread's."""
-    if not low_priority:
-        return fn()
-    out: dict = {}
-    err: list[BaseException] = []
+class BubbleWorker:
+    """Runs ``fn`` (bubble work that checks its own stop condition) in its own thread, started at
+    once; :meth:`join` waits for it and raises its exception, if any. With ``low_priority``
+    the thread runs at the OS's idle priority (and the process's autogroup at nice 19, where
+    that can be undone). ``flush_denormal`` repeats the engine's ``torch.set_flush_denormal``
+    in the thread: the flag lives in a per-thread CPU register, and without it the thread's
+    results (and speed) would differ from the main thread's.
 
-    def target() -> None:
+    The caller may go on while the work finishes its last unit: the replicas exchange their
+    groups as soon as the last one is done, and a stream-training unit still in flight then
+    overlaps the exchange instead of delaying it (it uses no collective of the exchange's group)."""
+
+    def __init__(self, fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False):
+        self.out: dict = {}
+        self._err: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(fn, low_priority, flush_denormal),
+                                        name="megarl-bubble", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, low_priority: bool, flush_denormal: bool) -> None:
         global _logged_priority
         if flush_denormal:
             torch.set_flush_denormal(True)
-        how = lower_thread_priority()
-        with AutogroupNice() as group_lowered:
+        how = lower_thread_priority() if low_priority else "normal"
+        with AutogroupNice() if low_priority else _Nothing() as group_lowered:
             if not _logged_priority:
                 log.info("bubble work runs at OS priority: %s%s", how,
                          ", process autogroup nice 19" if group_lowered else "")
                 _logged_priority = True
             try:
-                out.update(fn())
+                self.out.update(fn())
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                err.append(e)
+                self._err.append(e)
 
-    t = threading.Thread(target=target, name="megarl-bubble", daemon=True)
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
-    return out
+    def join(self) -> dict:
+        self._thread.join()
+        if self._err:
+            raise self._err[0]
+        return self.out
+
+
+class _Nothing:
+    def __enter__(self) -> bool:
+        return False
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False) -> dict:
+    """Run ``fn`` in a :class:`BubbleWorker` and wait for it; returns its figures."""
+    return BubbleWorker(fn, low_priority, flush_denormal).join()

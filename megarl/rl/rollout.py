@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megarl.config import RunConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
-from megarl.rl.bubble import PhaseEnd, run_bubble_work
+from megarl.rl.bubble import BubbleWorker, PhaseEnd
 from megarl.rl.data import epoch_order
 from megarl.rl.placement import LengthHistory, place
 from megarl.rl.reward_pool import RewardPool
@@ -63,7 +63,8 @@ class RolloutStage:
         self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
-        self.bubble_figures: dict = {}  # what the bubble work of the last run() returned
+        self._worker: BubbleWorker | None = None  # bubble work of the last run(), until finish_bubble()
+        self._others: list = []  # other replicas' results of the last run(), for finish_bubble()
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
@@ -90,11 +91,12 @@ class RolloutStage:
         for each group of this replica as soon as its last sample finishes (stream training).
 
         With several replicas, a replica that finished its share calls ``bubble(stop)`` (bubble
-        work, megarl/rl/bubble.py: it must return once ``stop()`` says the step's last replica is
-        done; ``low_priority``: at the OS's idle priority) before the replicas exchange their
-        groups, and the bubble drafts made for step + 1 are exchanged with them. ``timeline``
-        gets this process's generate / train / idle phases; the rollout phase ends after the
-        exchange.
+        work, megarl/rl/bubble.py, in its own thread: it must return once ``stop()`` says the
+        step's last replica is done; ``low_priority``: at the OS's idle priority) while it waits
+        for the others; the replicas then exchange their groups, without waiting for the bubble
+        work's last unit (``wait_bubble`` does, before training; ``share_drafts`` then hands the
+        step + 1 bubble drafts around). ``timeline`` gets this process's generate / reward /
+        train / bubble phases; the rollout phase ends after the exchange.
 
         ``keep`` (tail batching, megarl/rl/tail.py): stop generating once ``keep`` prompts are
         complete (each replica once its share, ``ceil(keep / replicas)``, is): only the complete
@@ -102,7 +104,6 @@ class RolloutStage:
         Completion is counted in engine iterations, so which prompts make it is deterministic."""
         tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
-        self.bubble_figures = {}
         errors0 = self.pool.stats()["error_total"]
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
@@ -138,38 +139,56 @@ class RolloutStage:
         return groups
 
     def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
-        """Bubble work until every replica is done, then every replica's results and rewards (and
-        the step + 1 bubble drafts) to every replica, in ``uids`` order."""
+        """Bubble work until every replica is done, then every replica's results and rewards to
+        every replica, in ``uids`` order. The bubble work's last unit may still run: see
+        :meth:`finish_bubble`."""
         if bubble is not None:
             end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
             end.post()
-            self.bubble_figures = run_bubble_work(lambda: bubble(end.over), low_priority,
-                                                  flush_denormal=self.engine.device.type == "cpu")
+            self._worker = BubbleWorker(lambda: bubble(end.over), low_priority,
+                                        flush_denormal=self.engine.device.type == "cpu")
             end.wait()
-        bubble_src = self.engine.spec.bubble if self.engine.spec is not None else None
-        drafts = bubble_src.drafts(step + 1) if bubble_src is not None else {}
         shares = [None] * self.replicas
-        mine = (results, rewards, self.engine_forwards, self.reward_errors, drafts)
-        dist.all_gather_object(shares, mine, group=self.dp_group)
+        dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors), group=self.dp_group)
         g = self.cfg.rollout.group_size
         by_index: dict[int, tuple[list[Result], list[float]]] = {}
         for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
             for k, j in enumerate(indices):
                 by_index[j] = (res[k * g:(k + 1) * g], rew[k * g:(k + 1) * g])
-        history = self.engine.spec.source("history") if self.engine.spec is not None else None
-        for r, (res, _, _, _, their_drafts) in enumerate(shares):
-            if r == self.replica:
-                continue
-            if bubble_src is not None and their_drafts:
-                bubble_src.merge(step + 1, their_drafts)
-            if history is not None:  # other replicas' samples are history drafts here too
-                history.end(res, step, "rollout")
+        self._others = [(s[0], step) for r, s in enumerate(shares) if r != self.replica]
         self.engine_forwards = sum(s[2] for s in shares)
         self.reward_errors = sum(s[3] for s in shares)
         self.replica_tokens = [sum(len(x.tokens) for x in s[0]) for s in shares]
         results = [x for j in range(len(uids)) for x in by_index[j][0]]
         rewards = [x for j in range(len(uids)) for x in by_index[j][1]]
         return results, rewards
+
+    def wait_bubble(self) -> None:
+        """After ``run``: wait for the bubble work's last unit, if one is still in flight."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def share_drafts(self, step: int) -> None:
+        """After ``wait_bubble`` and any pre-generation of the step: give this replica's engine
+        what the others made: their samples as history drafts and the bubble drafts they
+        pre-generated for step + 1 (one more small exchange). Nothing to do with one replica."""
+        if self.replicas == 1:
+            return
+        spec = self.engine.spec
+        history = spec.source("history") if spec is not None else None
+        for res, s in self._others:
+            if history is not None:  # other replicas' samples are history drafts here too
+                history.end(res, s, "rollout")
+        self._others = []
+        bubble_src = spec.bubble if spec is not None else None
+        if bubble_src is None:
+            return
+        shares = [None] * self.replicas
+        dist.all_gather_object(shares, bubble_src.drafts(step + 1), group=self.dp_group)
+        for r, drafts in enumerate(shares):
+            if r != self.replica and drafts:
+                bubble_src.merge(step + 1, drafts)
 
     def close(self) -> None:
         """Stop the reward pool's threads (after the last ``run``)."""

@@ -61,11 +61,13 @@ class StepTimeline:
             self.add(name, start, time.perf_counter())
 
     def end_rollout(self) -> None:
-        """The rollout phase ends now on this rank: its uncovered time since the start was idle."""
+        """The rollout phase ends now on this rank; what no phase covers in it is idle (filled in
+        by :meth:`record`, once the bubble work's last unit, which may outlast the phase, is in)."""
         self.rollout_end = time.perf_counter()
-        self.fill("idle", self.t0, self.rollout_end)
 
     def record(self) -> dict:
+        if self.rollout_end is not None:
+            self.fill("idle", self.t0, self.rollout_end)
         end = self.rollout_end if self.rollout_end is not None else self.t0
         return {"rank": self.rank, "replica": self.replica,
                 "events": [{"phase": p, "start": round(a - self.t0, 6), "end": round(b - self.t0, 6)}
