@@ -25,9 +25,10 @@ Everything comes from ``timeline.jsonl`` (``metrics.jsonl`` is not needed). Its 
 
     {"step": 3,                                  1-based, as in metrics.jsonl
      "ranks": [{"rank": 0, "replica": 0,         replica: rollout data-parallel group index
+                "start": 0.02,                   when this rank began the step (0 = the first rank)
                 "events": [{"phase": "generate", "start": 0.0, "end": 1.73}, ...],
-                                                 seconds from the step's start on that rank,
-                                                 sorted and non-overlapping
+                                                 seconds from the step's start (earliest
+                                                 rank), sorted and non-overlapping
                 "tokens": 5230,                  response tokens this rank generated
                 "bubble_tokens": 800}, ...],     of which generated as bubble work
      "rollout_end": 2.55,                        end of the rollout phase (max over ranks)
@@ -193,9 +194,9 @@ def load_timeline(run_dir: str | os.PathLike) -> list[dict]:
 def bubble_fraction(step_record: dict) -> float:
     """Share of the rollout phase's rank-seconds spent idle in one step.
 
-    Idle seconds inside ``[0, rollout_end]`` summed over ranks, divided by
-    ``n_ranks * rollout_end`` (megarl/rl/timeline.py, what ``metrics.jsonl``'s ``bubble_frac``
-    is): ``bubble`` work and stream training in the wait are not idle, and idle time after
+    Idle seconds inside ``[start, rollout_end]`` (a rank's ``start`` of the step: 0 if absent)
+    summed over ranks, divided by the summed lengths of those spans (megarl/rl/timeline.py, what
+    ``metrics.jsonl``'s ``bubble_frac`` is): ``bubble`` work and stream training in the wait are not idle, and idle time after
     ``rollout_end`` belongs to training, not to rollout imbalance.
     A step without a rollout phase (``rollout_end == 0``) has fraction 0.
     """

@@ -125,7 +125,8 @@ def test_bubble_work_ran_and_is_accounted(runs, layout):
         assert 0.0 <= m["bubble_frac"] <= 1.0
         for r in t["ranks"]:
             covered = sum(min(e["end"], r["rollout_end"]) - e["start"] for e in r["events"] if e["start"] < r["rollout_end"])
-            assert covered == pytest.approx(r["rollout_end"], abs=1e-3)  # no gap in the rollout phase
+            assert covered == pytest.approx(r["rollout_end"] - r["start"], abs=1e-3)  # no gap in its rollout phase
+            assert min(e["start"] for e in r["events"]) == pytest.approx(r["start"], abs=1e-5)
             assert sum(e["end"] - e["start"] for e in r["events"] if e["phase"] == "generate") > 0
 
 

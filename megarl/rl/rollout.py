@@ -120,8 +120,9 @@ class RolloutStage:
         self.engine_forwards = self.engine.stats["forwards"]
         self.spec_metrics = self.engine.spec.metrics() if self.engine.spec is not None else {}
         self.replica_tokens = [tl.tokens]
-        with tl.phase("reward"):  # what the pool has not finished yet (and the groups not yet handed on)
-            rewards = scoring.finish()
+        t_rew = time.perf_counter()  # what the pool has not finished yet (and the groups not yet handed on:
+        rewards = scoring.finish()  # their stream training is recorded as "train" inside this span)
+        tl.fill("reward", t_rew, time.perf_counter())
         self.reward_errors = self.pool.stats()["error_total"] - errors0
         if self.replicas > 1:
             results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)

@@ -1,14 +1,17 @@
 """Per-rank timeline of each RL step: what every process did when (issue 6, bubble accounting).
 
 Each process records its own phases (``generate``, ``reward``, ``bubble`` work, ``idle``,
-``train``, ``sync``) in seconds from its own start of the step; the steps start together on every process
-(the previous step ends with a collective weight sync), so the records line up. Rank 0 gathers
+``train``, ``sync``) in seconds from its own start of the step. Processes do not start a step
+at the same moment (nothing synchronises them between the weight sync and the rollout), so
+:func:`gather_records` puts the records on one clock (wall-clock time of each start: one host, or
+hosts kept in sync by NTP): time 0 is the earliest start, and each record's ``start`` says when
+its rank began the step. Rank 0 gathers
 them into ``RUN_DIR/timeline.jsonl`` (one line per step; ``megarl report`` draws it) and every
 process computes ``bubble_frac`` from the same records:
 
-    bubble_frac = idle rank-seconds / (ranks x rollout-phase seconds)
+    bubble_frac = idle rank-seconds / rank-seconds of the rollout phase
 
-where the rollout phase runs from the step's start until the step's responses have been
+where a rank's rollout phase runs from its start of the step until the step's responses have been
 exchanged between the rollout replicas and scored (the last rank's end), and a rank is idle
 whenever it is neither generating, nor scoring rewards, nor doing bubble work, nor training.
 Time is wall-clock: on a GPU cluster a rank's idle seconds are its GPU's idle seconds.
@@ -31,6 +34,7 @@ class StepTimeline:
     def __init__(self, rank: int = 0, replica: int = 0):
         self.rank, self.replica = rank, replica
         self.t0 = time.perf_counter()
+        self.t0_wall = time.time()  # the clock shared by the processes (gather_records)
         self.events: list[tuple[str, float, float]] = []
         self.rollout_end: float | None = None  # absolute end of this rank's rollout phase
         self.tokens = 0  # response tokens this rank generated for the step
@@ -73,7 +77,7 @@ class StepTimeline:
                 "events": [{"phase": p, "start": round(a - self.t0, 6), "end": round(b - self.t0, 6)}
                            for p, a, b in sorted(self.events, key=lambda e: e[1])],
                 "rollout_end": round(end - self.t0, 6), "tokens": self.tokens, "bubble_tokens": self.bubble_tokens,
-                "bubble_groups": self.bubble_groups}
+                "bubble_groups": self.bubble_groups, "start": 0.0, "t0_wall": self.t0_wall}
 
 
 def rollout_end(records: list[dict]) -> float:
@@ -81,26 +85,44 @@ def rollout_end(records: list[dict]) -> float:
 
 
 def bubble_fraction(records: list[dict], end: float | None = None) -> float:
-    """Idle share of the rollout phase over every rank: time in [0, end of the phase] that a rank
-    spent neither generating, nor on bubble work, nor training (gaps count as idle). ``end``:
-    the phase's end (default: the latest of the records' ``rollout_end``)."""
+    """Idle share of the rollout phase over every rank: time between a rank's start of the step
+    (``start``, 0 if absent) and the end of the phase that it spent neither generating, nor
+    scoring, nor on bubble work, nor training (gaps count as idle). ``end``: the phase's end
+    (default: the latest of the records' ``rollout_end``)."""
     if not records:
         return 0.0
     end = rollout_end(records) if end is None else end
-    if end <= 0:
+    total = sum(max(0.0, end - r.get("start", 0.0)) for r in records)
+    if total <= 0:
         return 0.0
-    busy = sum(max(0.0, min(e["end"], end) - max(e["start"], 0.0))
+    busy = sum(max(0.0, min(e["end"], end) - max(e["start"], r.get("start", 0.0)))
                for r in records for e in r["events"] if e["phase"] in BUSY)
-    return max(0.0, 1.0 - busy / (len(records) * end))
+    return max(0.0, 1.0 - busy / total)
 
 
 def gather_records(record: dict) -> list[dict]:
     """Every process's record, in rank order (one small object per rank: all-gathered so each
     process logs the same ``bubble_frac``)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return [record]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, record)
+        out = [record]
+    else:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, record)
+    return align(out)
+
+
+def align(records: list[dict]) -> list[dict]:
+    """Put records made on each rank's own clock (``t0_wall``: its start of the step) on one:
+    0 is the earliest start; each record's times move by its rank's lateness, kept as ``start``."""
+    base = min(r["t0_wall"] for r in records)
+    out = []
+    for r in records:
+        off = r["t0_wall"] - base
+        r = {k: v for k, v in r.items() if k != "t0_wall"}
+        r["start"] = round(off, 6)
+        r["rollout_end"] = round(r["rollout_end"] + off, 6)
+        r["events"] = [{**e, "start": round(e["start"] + off, 6), "end": round(e["end"] + off, 6)} for e in r["events"]]
+        out.append(r)
     return out
 
 

@@ -89,6 +89,20 @@ def test_bubble_fraction_counts_idle_and_gaps_in_the_rollout_phase_only():
                          {"phase": "bubble", "start": 2, "end": 3.5}]
     assert bubble_fraction(recs) == pytest.approx(0.5 / 8)
     assert replica_sum([{"replica": 0, "x": 3}, {"replica": 0, "x": 3}, {"replica": 1, "x": 4}], "x") == 7
+    # A rank that began the step 1 s late: only its own span of the phase counts
+    late = [_record(0, 0, [("generate", 0, 4)], 4.0), _record(1, 1, [("generate", 1, 2)], 4.0, start=1.0)]
+    assert bubble_fraction(late) == pytest.approx(2 / 7)
+
+
+def test_records_are_put_on_one_clock():
+    from megarl.rl.timeline import align
+
+    a = {**_record(0, 0, [("generate", 0, 2)], 2.5), "t0_wall": 100.0}
+    b = {**_record(1, 1, [("generate", 0, 1)], 2.0), "t0_wall": 100.5}
+    out = align([a, b])
+    assert [r["start"] for r in out] == [0.0, 0.5]
+    assert out[1]["events"] == [{"phase": "generate", "start": 0.5, "end": 1.5}] and out[1]["rollout_end"] == 2.5
+    assert all("t0_wall" not in r for r in out)
 
 
 def test_step_timeline_fills_gaps_around_nested_phases():
