@@ -16,6 +16,7 @@ the priority is left alone (the device work is what matters there).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -182,7 +183,7 @@ class BubbleWorker:
         if flush_denormal:
             torch.set_flush_denormal(True)
         how = lower_thread_priority() if low_priority else "normal"
-        with AutogroupNice() if low_priority else _Nothing() as group_lowered:
+        with AutogroupNice() if low_priority else contextlib.nullcontext(False) as group_lowered:
             if not _logged_priority:
                 log.info("bubble work runs at OS priority: %s%s", how,
                          ", process autogroup nice 19" if group_lowered else "")
@@ -197,14 +198,6 @@ class BubbleWorker:
         if self._err:
             raise self._err[0]
         return self.out
-
-
-class _Nothing:
-    def __enter__(self) -> bool:
-        return False
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False) -> dict:

@@ -63,8 +63,8 @@ class RolloutStage:
         self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
-        self._worker: BubbleWorker | None = None  # bubble work of the last run(), until finish_bubble()
-        self._others: list = []  # other replicas' results of the last run(), for finish_bubble()
+        self._worker: BubbleWorker | None = None  # bubble work of the last run(), until wait_bubble()
+        self._others: list[list[Result]] = []  # other replicas' results of the last run(), for share_drafts()
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
@@ -142,7 +142,7 @@ class RolloutStage:
     def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
         """Bubble work until every replica is done, then every replica's results and rewards to
         every replica, in ``uids`` order. The bubble work's last unit may still run: see
-        :meth:`finish_bubble`."""
+        :meth:`wait_bubble`."""
         if bubble is not None:
             end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
             end.post()
@@ -156,7 +156,7 @@ class RolloutStage:
         for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
             for k, j in enumerate(indices):
                 by_index[j] = (res[k * g:(k + 1) * g], rew[k * g:(k + 1) * g])
-        self._others = [(s[0], step) for r, s in enumerate(shares) if r != self.replica]
+        self._others = [s[0] for r, s in enumerate(shares) if r != self.replica]
         self.engine_forwards = sum(s[2] for s in shares)
         self.reward_errors = sum(s[3] for s in shares)
         self.replica_tokens = [sum(len(x.tokens) for x in s[0]) for s in shares]
@@ -178,9 +178,9 @@ class RolloutStage:
             return
         spec = self.engine.spec
         history = spec.source("history") if spec is not None else None
-        for res, s in self._others:
+        for res in self._others:
             if history is not None:  # other replicas' samples are history drafts here too
-                history.end(res, s, "rollout")
+                history.end(res, step, "rollout")
         self._others = []
         bubble_src = spec.bubble if spec is not None else None
         if bubble_src is None:
@@ -208,8 +208,7 @@ class RolloutStage:
 
     def pregenerate(self, uids: list[int], step: int, should_stop: Callable[[], bool] | None = None) -> int:
         """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts; the
-        drafts are exchanged at the end of the rollout phase (see ``run``). Returns the tokens
-        generated.
+        replicas hand them to each other in ``share_drafts``. Returns the tokens generated.
 
         ``uids`` are split into one share per replica by the placement policy (the shares the
         replicas will most likely generate at step ``step``). Without

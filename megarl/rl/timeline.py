@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 PHASES = ("generate", "reward", "bubble", "idle", "train", "sync")
+MIN_EVENT_S = 1e-4  # shorter events (a deferred group being queued, a gap between phases) are noise
 BUSY = ("generate", "reward", "bubble", "train")
 
 
@@ -44,7 +45,7 @@ class StepTimeline:
     def add(self, phase: str, start: float, end: float) -> None:
         if phase not in PHASES:
             raise ValueError(f"timeline phase {phase!r} is not one of {PHASES}")
-        if end - start > 1e-4:  # shorter ones (a deferred group being queued) are invisible noise
+        if end - start > MIN_EVENT_S:
             self.events.append((phase, start, end))
 
     def fill(self, phase: str, start: float, end: float) -> None:
