@@ -129,6 +129,9 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from megarl.parallel.launch_env import export_launch_env
+
+    export_launch_env()  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
     configure_logging()
     from megarl.config import dump_config, load_config
 

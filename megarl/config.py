@@ -30,6 +30,11 @@ class ModelConfig:
     init_from_hf: str | None = None
     """Local HF model folder (config.json + safetensors) to start from; the fields below are
     then ignored. None builds a fresh model from them (vocab size from the tokenizer)."""
+    init_from_mcore: str | None = None
+    """Or a folder written by ``megarl convert hf-to-mcore`` (meta.json + one safetensors file per
+    trainer piece) to start from: its tp/pp/vpp/ep must be this run's ``parallel.trainer_*``
+    sizes, and each trainer process reads only its own pieces. Its tokenizer files (copied by
+    the converter) serve as ``data.tokenizer_path``'s default."""
     model_type: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
     """Architecture family of a fresh model (``qwen3_moe`` and ``mixtral`` are MoE: see the
     ``num_experts`` fields)."""
@@ -203,8 +208,12 @@ class RunConfig:
     def __post_init__(self):
         if self.data.source == "jsonl" and not self.data.jsonl_path:
             raise ValueError("data.jsonl_path is required when data.source=jsonl")
-        if self.data.source == "jsonl" and not (self.data.tokenizer_path or self.model.init_from_hf):
-            raise ValueError("data.tokenizer_path (or model.init_from_hf) is required when data.source=jsonl")
+        if self.model.init_from_hf and self.model.init_from_mcore:
+            raise ValueError("model.init_from_hf and model.init_from_mcore are both set; start from one of them")
+        if self.data.source == "jsonl" and not (self.data.tokenizer_path or self.model.init_from_hf
+                                                or self.model.init_from_mcore):
+            raise ValueError("data.tokenizer_path (or model.init_from_hf / init_from_mcore) is required when "
+                             "data.source=jsonl")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

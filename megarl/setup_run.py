@@ -37,6 +37,9 @@ class RunInputs:
     """The synthetic task (for SFT solutions), None for JSONL data."""
     layout: Layout | None = None
     """Where the run's processes go (``parallel`` section checked against WORLD_SIZE and the model)."""
+    init_from_mcore: str | None = None
+    """Or a converted Megatron folder of the starting weights (``megarl convert hf-to-mcore``, in
+    this run's trainer layout)."""
 
 
 def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None) -> Layout:
@@ -50,7 +53,7 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
         raise ValueError(f"parallel.placement={p.placement!r}: the training loop runs colocated only so far "
                          f"(disaggregated layouts are checked and their groups built, but the trainer "
                          f"sub-world is not); valid choice: 'colocated'")
-    check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep)
+    check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep, vpp=p.trainer_vpp)
     if p.rollout_tp > 1:
         check_tp(args, p.rollout_tp)
     if cfg.stream_train and (p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, p.trainer_tp):
@@ -81,7 +84,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         problems = [task.problem(uid) for uid in range(len(task))]
         reward_fn = task.reward
     else:
-        tokenizer = HFTokenizer(cfg.data.tokenizer_path or cfg.model.init_from_hf)
+        tokenizer = HFTokenizer(cfg.data.tokenizer_path or cfg.model.init_from_hf or cfg.model.init_from_mcore)
         problems = load_jsonl_prompts(cfg.data.jsonl_path, tokenizer)
         reward_fn = exact_answer_reward if cfg.data.reward == "exact_answer" else python_tests_problem_reward
 
@@ -95,6 +98,8 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         if args.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model.init_from_hf vocab_size={args.vocab_size} is smaller than the tokenizer's "
                              f"{tokenizer.vocab_size}")
+    elif cfg.model.init_from_mcore:
+        args = _check_mcore_start(cfg, tokenizer.vocab_size)
     else:
         m = cfg.model
         args = ModelArgs(
@@ -113,4 +118,25 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         raise ValueError("sft.steps must be 0 with data.source=jsonl: SFT trains on the synthetic task's "
                          "worked solutions (data.source=addition)")
     return RunInputs(tokenizer=tokenizer, problems=problems, reward_fn=reward_fn, args=args,
-                     init_from_hf=cfg.model.init_from_hf, task=task, layout=check_layout(cfg, args))
+                     init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
+                     layout=check_layout(cfg, args))
+
+
+def _check_mcore_start(cfg: RunConfig, tokenizer_vocab: int) -> ModelArgs:
+    """The model of ``model.init_from_mcore``, after checking (meta.json and every piece's header
+    on the converter's checks) that it is a complete checkpoint in this run's trainer layout."""
+    from megarl.checkpoint.convert import read_meta
+
+    path, p = cfg.model.init_from_mcore, cfg.parallel
+    meta, args = read_meta(path)  # corrupted meta, missing pieces: a clear error here
+    want = {"tp": p.trainer_tp, "pp": p.trainer_pp, "vpp": p.trainer_vpp, "ep": p.trainer_ep}
+    got = {k: meta[k] for k in want}
+    if got != want:
+        raise ValueError(f"model.init_from_mcore={path} was converted with {got}, this run's trainer has {want} "
+                         f"(parallel.trainer_tp/pp/vpp/ep): convert it again with `megarl convert hf-to-mcore "
+                         f"--tp {want['tp']} --pp {want['pp']} --vpp {want['vpp']} --ep {want['ep']}` (from HF: "
+                         f"`megarl convert mcore-to-hf` gives it back), or use model.init_from_hf")
+    if args.vocab_size < tokenizer_vocab:
+        raise ValueError(f"model.init_from_mcore vocab_size={args.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer_vocab}")
+    return args

@@ -20,7 +20,9 @@ from megarl.engine.tp_model import TPCausalLM
 from megarl.checkpoint.export import export_hf
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
+from megarl.parallel.launch_env import export_launch_env
 from megarl.parallel.layout import Layout, RolloutGroups, check_trainer_groups, create_rollout_groups
+from megarl.parallel.preempt import RECORD_NAME, PreemptSignals
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.rollout import RolloutStage, rollout_line
@@ -60,6 +62,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None) -> list[dict]:
     """Run ``cfg`` in ``run_dir``; returns the metrics of the steps run by this call."""
     run_dir = Path(run_dir)
+    export_launch_env()  # srun/MPI ranks as torchrun's RANK/WORLD_SIZE, before anything reads them
     inputs = inputs or prepare_inputs(cfg)  # all bad input fails here, before anything is written
     ckpt = check_run_dir(run_dir, resume)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # the process that writes run-level files
@@ -69,23 +72,26 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     if cfg.deterministic:
         set_deterministic()
     p = cfg.parallel
-    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep)
+    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep, vpp=p.trainer_vpp)
     try:
-        # Inside the try: the watchdog stops (a store barrier) before the process group goes.
-        with RankWatchdog(cfg.watchdog):
+        # Inside the try: the watchdog stops (a store barrier) before the process group goes, and
+        # before PreemptSignals raises Preempted (exit 75) after a signal's checkpoint.
+        preempt = PreemptSignals(device=dims.device, record=run_dir / RECORD_NAME if rank0 else None)
+        with preempt, RankWatchdog(cfg.watchdog):
             layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
             check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
             if dims.rank == 0:
                 log.info("process layout: %s", layout.describe())
-            return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout)
+            return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout, preempt)
     finally:
         shutdown_distributed(dims)
 
 
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
-           layout: Layout) -> list[dict]:
+           layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
     rank0 = dims.rank == 0
-    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf, seed=cfg.seed)
+    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf, mcore_dir=inputs.init_from_mcore,
+                      seed=cfg.seed)
     # Rollout TP: this process's rollout group runs the engine's model tensor-parallel.
     policy = TPCausalLM(inputs.args, groups.tp_group) if layout.cfg.rollout_tp > 1 else CausalLM(inputs.args)
     engine = Engine(policy, EngineConfig(
@@ -125,6 +131,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     weight_sync()
     rollout = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
                            dp_group=groups.dp_group, tp_group=groups.tp_group)
+    if ckpt is not None and "length_history" in loop_state:  # older checkpoints: placement restarts unseen
+        rollout.history.load_state_dict(loop_state["length_history"])
     sched = _Schedule(cfg, layout.rollout_dp)
     replica = groups.group_index
     history = []
@@ -174,10 +182,17 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                 with open(run_dir / "rollouts.jsonl", "a") as f:
                     f.write(json.dumps(rollout_line(step + 1, groups)) + "\n")
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(run_dir, step + 1, trainer.state_dict(), prompts.state_dict(), keep=cfg.keep_checkpoints,
+        stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
+        if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+            loop_state = {**prompts.state_dict(), "length_history": rollout.history.state_dict()}
+            save_checkpoint(run_dir, step + 1, trainer.state_dict(), loop_state, keep=cfg.keep_checkpoints,
                             dims=dims, ref_state=ref.state_dict() if ref is not None else None)
+        if stop:
+            preempt.stop(step + 1)
+            break
     rollout.close()
+    if preempt is not None and preempt.stopped_at is not None:
+        return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
     export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
     if rank0:
         log.info("exported HF checkpoint to %s", run_dir / "hf")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from megarl.checkpoint.convert import hf_to_mcore
 from megarl.rl.timeline import MIN_EVENT_S
 from tests.parallel_run_worker import MOE
 from tests.stream_train.launch import torchrun
@@ -20,6 +21,7 @@ WORKER = Path(__file__).parent / "parallel_run_worker.py"
 # fp32 training and rollout at an RL-sized learning rate: the issue's bound (1e-6) for stream training.
 F32 = "trainer.dtype=float32,rollout.dtype=float32,trainer.lr=1e-5"
 NP8 = "task.num_prompts=16,rollout.prompts_per_step=8"
+L4 = "model.num_hidden_layers=4"
 # Every draft source, every draft verified (no cost rule), bubble work at normal priority so that it surely runs.
 BUBBLE = "spec.enabled=true,spec.bubble_pregen=true,spec.forward_cost_tokens=0,schedule.bubble_priority=normal"
 # name: (overrides, the single-process run it must equal)
@@ -40,14 +42,26 @@ LAYOUTS = {
     # 16 prompts, 8 a step on 4 replicas: step 3 repeats step 1's prompts, so length placement has a history to
     # balance by (and round robin, the other policy, for comparison): neither changes a sample.
     "dp4_np8": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=length", "single_np8"),
+    # Resumed after step 2: the length history is in the checkpoint, so step 3 is placed as in dp4_np8.
+    "dp4_np8_resumed": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=length,resume_at=2",
+                        "single_np8"),
     "dp4_np8_rr": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin", "single_np8"),
     # Issue 6's exactness: length placement + bubble work (pre-generated bubble drafts used by the next step's
     # speculation; stream training of finished groups in the idle replicas) vs. neither: same samples, same weights.
     "dp4_np8_bubble": (NP8 + ",rollout.placement=length," + BUBBLE, "single_np8"),
     "dp4_np8_bubble_stream": (NP8 + ",rollout.placement=length,stream_train=true," + BUBBLE, "single_np8"),
+    # Interleaved 1F1B: 4 layers in 4 pipeline stages, 2 model chunks per pipeline rank (rank 0: layers 0 and 2);
+    # with TP, resumed from its per-rank checkpoint (a list of chunks).
+    "pp2vpp2": (L4 + ",parallel.trainer_pp=2,parallel.trainer_vpp=2", "single_l4"),
+    "tp2pp2vpp2_resumed": (L4 + ",parallel.trainer_tp=2,parallel.trainer_pp=2,parallel.trainer_vpp=2,resume_at=2",
+                           "single_l4"),
     # Starting from a HF folder (the single run's export): each trainer rank reads only its piece.
     "from_hf_tp2pp2": ("model.init_from_hf={out}/single/hf,parallel.trainer_tp=2,parallel.trainer_pp=2",
                        "from_hf_single"),
+    # Starting from the 4-layer single run's export converted by `megarl convert hf-to-mcore --tp 2 --pp 2 --vpp 2`:
+    # each trainer rank reads its own piece files (one per model chunk).
+    "from_mcore_tp2pp2vpp2": (L4 + ",model.init_from_mcore={out}/single_l4_mcore,parallel.trainer_tp=2,"
+                              "parallel.trainer_pp=2,parallel.trainer_vpp=2", "from_hf_l4"),
 }
 # Tail batching: 8 prompts started per short round, the first 4 complete kept (1 per replica on 4), the rest
 # queued for a long round. Which prompts make it depends on the replica count, so these runs are compared with
@@ -59,17 +73,20 @@ TAIL4 = "tail.enabled=true,tail.overprovision=2.0,rollout.max_new_tokens=40"
 TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_resumed": TAIL4 + ",resume_at=2", "dp4_tail_stream": TAIL4 + ",stream_train=true"}
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "single_tail": TAIL, "moe_single": MOE, "single32": F32, "stream": "stream_train=true",
-          "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8"}
+          "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8",
+          "single_l4": L4, "from_hf_l4": L4 + ",model.init_from_hf={out}/single_l4/hf"}
 # Tolerance on the final weights against the reference: fp64 runs differ by rounding only; the
 # fp32 runs use a learning rate of RL's scale (Adam turns rounding noise in gradients that are
 # ~0 in exact arithmetic, e.g. of the k bias, into updates of up to lr * noise / eps).
-TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1e-9, "single_np8": 1e-9}
+TOL = {"single": 1e-9, "moe_single": 1e-9, "single32": 1e-6, "from_hf_single": 1e-9, "single_np8": 1e-9, "single_l4": 1e-9, "from_hf_l4": 1e-9}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     torchrun(WORKER, 1, str(out), *(f"{name}={fields.format(out=out)}" for name, fields in SINGLE.items()))
+    # 4 layers: 2 pipeline ranks x 2 virtual stages of one layer each
+    hf_to_mcore(out / "single_l4" / "hf", out / "single_l4_mcore", tp=2, pp=2, vpp=2, progress=False)
     torchrun(WORKER, 4, str(out), *(f"{name}={fields.format(out=out)}" for name, (fields, _) in LAYOUTS.items()),
              *(f"{name}={fields}" for name, fields in TAIL_RUNS.items()))
     return out
@@ -159,3 +176,13 @@ def test_tail_batching_is_on_policy_and_repeatable(runs, run):
     ref = load_file(runs / "dp4_tail" / "hf" / "model.safetensors")
     weights = load_file(runs / run / "hf" / "model.safetensors")
     assert max((weights[k] - v).abs().max().item() for k, v in ref.items()) <= 1e-9
+
+
+@pytest.mark.multiproc
+def test_resumed_run_places_prompts_as_the_uninterrupted_one(runs):
+    """Length placement after a resume uses the checkpointed history: step 3 (step 1's prompts
+    again) gives each replica the same tokens as in the uninterrupted run, and the two placements
+    do differ from round robin's there (so the check means something)."""
+    got, want, rr = (metrics(runs / n) for n in ("dp4_np8_resumed", "dp4_np8", "dp4_np8_rr"))
+    assert [m["replica_token_imbalance"] for m in got] == [m["replica_token_imbalance"] for m in want]
+    assert want[2]["replica_token_imbalance"] != rr[2]["replica_token_imbalance"]

@@ -71,7 +71,8 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
         set_deterministic()
     dims = init_distributed()
     try:
-        trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf, seed=cfg.seed)
+        trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
+                          mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
         if cfg.sft.steps > 0:
             run_sft(trainer, inputs, cfg)
             trainer.reset_optimizer()

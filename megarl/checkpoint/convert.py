@@ -2,11 +2,14 @@
 
 On-disk Megatron layout (a weights-only checkpoint; ``meta.json`` documents it)::
 
-    OUT/meta.json                               format, HF config.json, tp/pp/ep, padded vocab, dtype, files
+    OUT/meta.json                               format, HF config.json, tp/pp/ep (vpp), padded vocab, dtype, files
     OUT/model_tp{t}_pp{p}_ep{e}.safetensors     rank (t, p, e)'s GPTModel piece: exactly
                                                 mcore_sharding.shard_rank(full, args, tp, pp, t, p, ep=, ep_rank=e)
                                                 (local names and shapes, vocab padded), so
                                                 stream_train.model.load_state(build_gpt_model(...), piece) works
+    OUT/model_tp{t}_pp{p}_vp{v}_ep{e}.safetensors  with virtual pipeline stages (vpp > 1): model chunk v
+                                                of rank (t, p, e), the piece of stage v*pp + p of a
+                                                pp*vpp-stage cut (mcore_sharding's docstring)
     OUT/tokenizer*, generation_config.json, ... copied from the HF folder (``meta["hf_files"]``)
 
 Names and cuts come from the one mapping (:mod:`megarl.models.mcore_mapping`) and the one layout
@@ -64,8 +67,21 @@ HF_FILE_PREFIXES = ("tokenizer",)
 _EMB, _OUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
-def piece_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
-    return f"model_tp{tp_rank}_pp{pp_rank}_ep{ep_rank}.safetensors"
+def piece_file(tp_rank: int, pp_rank: int, ep_rank: int = 0, vp: int | None = None) -> str:
+    """File of rank (tp_rank, pp_rank, ep_rank)'s piece; ``vp``: its model chunk (vpp > 1 only)."""
+    chunk = "" if vp is None else f"_vp{vp}"
+    return f"model_tp{tp_rank}_pp{pp_rank}{chunk}_ep{ep_rank}.safetensors"
+
+
+def stage_file(tp_rank: int, stage: int, ep_rank: int, pp: int, vpp: int) -> str:
+    """File of the piece of pipeline stage ``stage`` (of ``pp * vpp``): pipeline rank ``stage % pp``,
+    model chunk ``stage // pp``."""
+    return piece_file(tp_rank, stage % pp, ep_rank, vp=stage // pp if vpp > 1 else None)
+
+
+def piece_files(tp: int, pp: int, ep: int, vpp: int = 1) -> list[tuple[tuple[int, int, int], str]]:
+    """Every piece of a checkpoint, in file order: ``((tp_rank, stage, ep_rank), file name)``."""
+    return [((t, s, e), stage_file(t, s, e, pp, vpp)) for e in range(ep) for s in range(pp * vpp) for t in range(tp)]
 
 
 @dataclass
@@ -181,6 +197,8 @@ def read_hf_piece(hf_dir: str | os.PathLike, args: ModelArgs, tp: int, pp: int, 
                   ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """Rank (tp_rank, pp_rank, ep_rank)'s Megatron piece straight from the HF folder, reading only
     the bytes it holds (what a trainer rank loads at start: no rank materialises the whole model).
+    With virtual pipeline stages, ``pp`` is the stage count ``pp * vpp`` and ``pp_rank`` a chunk's
+    stage (``ParallelDims.stage``).
     Equal to ``mcore_sharding.shard_rank`` of the full mapped state dict."""
     ms.check_parallel(args, tp, pp, ep)
     _check_moe_tp(args, tp)
@@ -192,28 +210,32 @@ def read_hf_piece(hf_dir: str | os.PathLike, args: ModelArgs, tp: int, pp: int, 
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, ep: int = 1,
-                force: bool = False, progress: bool = True) -> ConvertReport:
-    """Convert the HF folder ``hf_dir`` into the per-rank layout (module docstring) at ``out``."""
+                force: bool = False, progress: bool = True, vpp: int = 1) -> ConvertReport:
+    """Convert the HF folder ``hf_dir`` into the per-rank layout (module docstring) at ``out``;
+    ``vpp`` > 1: ``vpp`` model chunks (virtual pipeline stages) per pipeline rank."""
     t0 = time.perf_counter()
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = read_hf_config(hf_dir)
     args = ModelArgs.from_hf_config(cfg)  # unsupported architectures / fields fail here
-    ms.check_parallel(args, tp, pp, ep)
+    ms.check_parallel(args, tp, pp, ep, vpp=vpp)
+    if vpp > 1 and pp < 2:
+        raise ValueError(f"--vpp {vpp} (virtual pipeline stages) needs --pp >= 2 (got --pp {pp})")
     _check_moe_tp(args, tp)
     _check_out(out, force, hf_dir)
+    stages = pp * vpp
     with LazyTensors(safetensors_files(hf_dir)) as src:
         dtype = check_hf_weights(src, args)
         names = mm.mcore_to_hf_names(args)
-        ranks = [(t, p, e) for e in range(ep) for p in range(pp) for t in range(tp)]
-        plans = {(p, e): ms.local_plan(args, tp, pp, p, ep=ep, ep_rank=e) for e in range(ep) for p in range(pp)}
-        total = sum(len(plans[(p, e)]) for t, p, e in ranks)
+        ranks = piece_files(tp, pp, ep, vpp)
+        plans = {(s, e): ms.local_plan(args, tp, stages, s, ep=ep, ep_rank=e) for e in range(ep) for s in range(stages)}
+        total = sum(len(plans[(s, e)]) for (t, s, e), _ in ranks)
         n_bytes = 0
         bar = _progress(total, "hf -> mcore", progress)
         with atomic_dir(out) as tmp:
-            for t, p, e in ranks:
-                plan = plans[(p, e)]
+            for (t, s, e), file in ranks:
+                plan = plans[(s, e)]
                 entries = [(local, lt.shape, dtype) for local, lt in plan.items()]
-                with StreamWriter(tmp / piece_file(t, p, e), entries) as w:
+                with StreamWriter(tmp / file, entries) as w:
                     for local, lt in plan.items():
                         w.write(local, _read_piece_tensor(src, lt, names[lt.name], args, tp, t))
                         bar.update()
@@ -222,9 +244,9 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
             for name in hf_files:
                 shutil.copy2(hf_dir / name, tmp / name)
             meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_config": cfg,
-                    "tp": tp, "pp": pp, "ep": ep, "vocab_size": args.vocab_size,
+                    "tp": tp, "pp": pp, "ep": ep, "vpp": vpp, "vocab_size": args.vocab_size,
                     "padded_vocab_size": ms.padded_vocab(args.vocab_size, tp), "dtype": TAGS[dtype],
-                    "files": [piece_file(t, p, e) for t, p, e in ranks], "hf_files": hf_files}
+                    "files": [file for _, file in ranks], "hf_files": hf_files}
             with open(tmp / META, "w") as f:
                 json.dump(meta, f, indent=2)
         bar.close()
@@ -256,15 +278,19 @@ def read_meta(ckpt: str | os.PathLike) -> tuple[dict, ModelArgs]:
                          f"{FORMAT!r} version {FORMAT_VERSION}")
     if meta["dtype"] not in DTYPES:
         raise ValueError(f"{path}: field 'dtype' is {meta['dtype']!r}; valid: {sorted(DTYPES)}")
+    meta.setdefault("vpp", 1)  # written before virtual stages existed: one chunk per rank
+    if not isinstance(meta["vpp"], int) or meta["vpp"] < 1:
+        raise ValueError(f"{path} is corrupted: field 'vpp' is {meta['vpp']!r}, expected an int >= 1")
     args = ModelArgs.from_hf_config(meta["hf_config"])
-    tp, pp, ep = meta["tp"], meta["pp"], meta["ep"]
-    ms.check_parallel(args, tp, pp, ep)
+    tp, pp, ep, vpp = meta["tp"], meta["pp"], meta["ep"], meta["vpp"]
+    ms.check_parallel(args, tp, pp, ep, vpp=vpp)
     if meta["padded_vocab_size"] != ms.padded_vocab(args.vocab_size, tp):
         raise ValueError(f"{path}: field 'padded_vocab_size' is {meta['padded_vocab_size']}, expected "
                          f"{ms.padded_vocab(args.vocab_size, tp)} for vocab_size={args.vocab_size}, tp={tp}")
-    want = [piece_file(t, p, e) for e in range(ep) for p in range(pp) for t in range(tp)]
+    want = [file for _, file in piece_files(tp, pp, ep, vpp)]
     if meta["files"] != want:
-        raise ValueError(f"{path}: field 'files' is {meta['files']}, expected {want} for tp={tp} pp={pp} ep={ep}")
+        raise ValueError(f"{path}: field 'files' is {meta['files']}, expected {want} for tp={tp} pp={pp} ep={ep} "
+                         f"vpp={vpp}")
     missing = [f for f in want + meta["hf_files"] if not (Path(ckpt) / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{ckpt}: files listed in {META} are missing: {missing}")
@@ -292,20 +318,21 @@ def mcore_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, max_shard_mb: f
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     meta, args = read_meta(ckpt)
-    tp, pp, ep = meta["tp"], meta["pp"], meta["ep"]
     _check_out(out, force, ckpt)
-    with contextlib.ExitStack() as stack:
-        srcs = {(t, p, e): stack.enter_context(LazyTensors([ckpt / piece_file(t, p, e)]))
-                for e in range(ep) for p in range(pp) for t in range(tp)}
+    with contextlib.ExitStack() as stack:  # keyed by (tp_rank, stage, ep_rank): stages = pp * vpp
+        srcs = {key: stack.enter_context(LazyTensors([ckpt / file]))
+                for key, file in piece_files(meta["tp"], meta["pp"], meta["ep"], meta["vpp"])}
         return _mcore_to_hf(ckpt, out, meta, args, srcs, max_shard_mb, progress, t0)
 
 
 def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict, max_shard_mb: float,
                  progress: bool, t0: float) -> ConvertReport:
-    tp, pp, ep, dtype = meta["tp"], meta["pp"], meta["ep"], DTYPES[meta["dtype"]]
-    where: dict[str, tuple[int, int, str, ms.LocalTensor]] = {}  # full name -> (pp, ep, local, plan)
+    tp, ep, vpp, dtype = meta["tp"], meta["ep"], meta["vpp"], DTYPES[meta["dtype"]]
+    pp = meta["pp"] * vpp  # pipeline stages: below, p is a stage (pp_rank p % pp, chunk p // pp)
+    where: dict[str, tuple[int, int, str, ms.LocalTensor]] = {}  # full name -> (stage, ep, local, plan)
     for (t, p, e), src in srcs.items():
-        side = f"{piece_file(t, p, e)} (tp_rank={t}, pp_rank={p}, ep_rank={e})"
+        chunk = f", vp={p // meta['pp']}" if vpp > 1 else ""
+        side = f"{stage_file(t, p, e, meta['pp'], vpp)} (tp_rank={t}, pp_rank={p % meta['pp']}{chunk}, ep_rank={e})"
         _check_names_shapes(src, ms.local_shapes(args, tp, pp, t, p, ep=ep, ep_rank=e), side)
         for name in src.where:
             if src.dtype(name) != dtype:
@@ -330,7 +357,8 @@ def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict,
             if lt.kind == "replicated":
                 for t in range(1, tp):
                     if not torch.equal(pieces[t], pieces[0]):
-                        raise ValueError(f"replicated tensor {local} of pp_rank={p} differs between "
+                        at = f"pp_rank={p}" if vpp == 1 else f"stage {p} (pp_rank={p % meta['pp']}, vp={p // meta['pp']})"
+                        raise ValueError(f"replicated tensor {local} of {at} differs between "
                                          f"tp_rank=0 and tp_rank={t}")
             full = ms.join_pieces(pieces, lt.kind, lt.full_shape)
             del pieces
@@ -344,7 +372,7 @@ def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict,
                 bar.update()
         writers[-1].close()
         if args.tie_word_embeddings and pp > 1:
-            _check_tied_copy(srcs, tp, pp)
+            _check_tied_copy(srcs, tp, meta["pp"], vpp)
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(w.total_bytes for w in writers)},
                      "weight_map": {h: files[shard_of[h]] for h in order}}
@@ -358,18 +386,24 @@ def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict,
     return ConvertReport(len(order), sum(w.total_bytes for w in writers), time.perf_counter() - t0)
 
 
-def _check_tied_copy(srcs: dict, tp: int, pp: int) -> None:
+def _check_tied_copy(srcs: dict, tp: int, pp: int, vpp: int = 1) -> None:
     """The last stage's copy of tied embeddings equals stage 0's, piece by piece."""
+    last = pp * vpp - 1
     for t in range(tp):
-        if not torch.equal(srcs[(t, pp - 1, 0)].get(_OUT), srcs[(t, 0, 0)].get(_EMB)):
-            raise ValueError(f"tied embeddings: {_OUT} of {piece_file(t, pp - 1, 0)} differs from "
-                             f"{_EMB} of {piece_file(t, 0, 0)}")
+        if not torch.equal(srcs[(t, last, 0)].get(_OUT), srcs[(t, 0, 0)].get(_EMB)):
+            raise ValueError(f"tied embeddings: {_OUT} of {stage_file(t, last, 0, pp, vpp)} differs from "
+                             f"{_EMB} of {stage_file(t, 0, 0, pp, vpp)}")
 
 
-def load_piece(ckpt: str | os.PathLike, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, torch.Tensor]:
-    """One rank's local Megatron state dict from a converted checkpoint (for ``load_state``)."""
+def load_piece(ckpt: str | os.PathLike, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+               vp: int | None = None) -> dict[str, torch.Tensor]:
+    """One rank's local Megatron state dict from a converted checkpoint (for ``load_state``); with
+    virtual stages, of its model chunk ``vp``."""
     meta, _ = read_meta(ckpt)
-    with LazyTensors([Path(ckpt) / piece_file(tp_rank, pp_rank, ep_rank)]) as src:
+    if (meta["vpp"] > 1) != (vp is not None) or (vp is not None and not 0 <= vp < meta["vpp"]):
+        raise ValueError(f"{ckpt} has vpp={meta['vpp']}: pass vp in 0..{meta['vpp'] - 1}" if meta["vpp"] > 1
+                         else f"{ckpt} has no virtual pipeline stages (vpp=1): pass vp=None, got {vp}")
+    with LazyTensors([Path(ckpt) / piece_file(tp_rank, pp_rank, ep_rank, vp=vp)]) as src:
         return {n: src.get(n) for n in src.where}
 
 
@@ -386,6 +420,9 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     a.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     a.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    a.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline stages per pipeline rank (interleaved 1F1B; needs --pp >= 2): "
+                        "pp*vpp must divide the layers")
     b = sub.add_parser("mcore-to-hf", help="per-rank Megatron pieces -> HF folder")
     b.add_argument("--ckpt", required=True, help="folder written by hf-to-mcore")
     b.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
@@ -398,7 +435,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_convert(args: argparse.Namespace) -> ConvertReport:
     if args.direction == "hf-to-mcore":
-        report = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.force, not args.no_progress)
+        report = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.force, not args.no_progress,
+                             vpp=args.vpp)
     else:
         report = mcore_to_hf(args.ckpt, args.out, args.max_shard_mb, args.force, not args.no_progress)
     print(report.line())

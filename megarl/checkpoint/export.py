@@ -1,7 +1,8 @@
 """The run's final Hugging Face export, through the converter: no process holds the whole model.
 
 Every process calls :func:`export_hf`. The first replica of each trainer piece writes its local
-Megatron state dict as ``model_tp<t>_pp<p>_ep<e>.safetensors`` into a staging folder beside the
+Megatron state dict (one per model chunk with virtual pipeline stages) as
+``model_tp<t>_pp<p>[_vp<v>]_ep<e>.safetensors`` into a staging folder beside the
 output, and rank 0 adds ``meta.json``, the generation config and the tokenizer: together the
 converter's per-rank layout (``megarl/checkpoint/convert.py``). Rank 0 then runs
 :func:`~megarl.checkpoint.convert.mcore_to_hf` on it, which streams one tensor at a time (and
@@ -42,9 +43,9 @@ def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] 
     if multi:
         dist.barrier()
     if _first_replica(dims):
-        local = {k: v.detach().contiguous().cpu() for k, v in trainer.gpt.state_dict().items()
-                 if not k.endswith("_extra_state")}
-        save_file(local, str(stage / convert.piece_file(dims.tp_rank, dims.pp_rank, dims.ep_rank)))
+        for s, piece in trainer.local_pieces().items():  # one per model chunk
+            local = {k: v.detach().contiguous().cpu() for k, v in piece.items()}
+            save_file(local, str(stage / convert.stage_file(dims.tp_rank, s, dims.ep_rank, dims.pp, dims.vpp)))
     if multi:
         dist.barrier()
     try:
@@ -58,10 +59,10 @@ def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] 
             if write_extra is not None:
                 write_extra(stage)
             hf_files = ["generation_config.json", *sorted(p.name for p in stage.iterdir() if p.name not in before)]
-            files = [convert.piece_file(t, p, e) for e in range(dims.ep) for p in range(dims.pp) for t in range(dims.tp)]
+            files = [f for _, f in convert.piece_files(dims.tp, dims.pp, dims.ep, dims.vpp)]
             meta = {"format": convert.FORMAT, "format_version": convert.FORMAT_VERSION,
                     "hf_config": args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch.")),
-                    "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "vocab_size": args.vocab_size,
+                    "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "vpp": dims.vpp, "vocab_size": args.vocab_size,
                     "padded_vocab_size": mcore_sharding.padded_vocab(args.vocab_size, dims.tp),
                     "dtype": TAGS[dtype], "files": files, "hf_files": hf_files}
             with open(stage / convert.META, "w") as f:

@@ -53,7 +53,8 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
     finished directory into place. ``dims=None`` means a single process."""
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
-    meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, **loop_state}
+    meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
+            **loop_state}
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
             _write(tmp, trainer_file(0, 0, 1, 1), trainer_state, meta, ref_state)
@@ -96,10 +97,12 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
     with open(path / "state.json") as f:
         loop_state = json.load(f)
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
-    saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1))
-    if saved != (tp, pp):
-        raise ValueError(f"checkpoint {path} was written with trainer_tp={saved[0]}, trainer_pp={saved[1]}; this "
-                         f"run has trainer_tp={tp}, trainer_pp={pp}: resume with the same parallel.trainer_tp/pp "
+    vpp = dims.vpp if dims is not None else 1
+    saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1), loop_state.pop("trainer_vpp", 1))
+    if saved != (tp, pp, vpp):
+        raise ValueError(f"checkpoint {path} was written with trainer_tp={saved[0]}, trainer_pp={saved[1]}, "
+                         f"trainer_vpp={saved[2]}; this run has trainer_tp={tp}, trainer_pp={pp}, trainer_vpp={vpp}: "
+                         f"resume with the same parallel.trainer_tp/pp/vpp "
                          f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
     name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp) if dims is not None else trainer_file(0, 0, 1, 1)
     # Our own files, holding Megatron optimizer state (python objects): full unpickling is needed.

@@ -59,6 +59,13 @@ last stage under the key ``output_layer.weight``; stage 0 and the last stage kee
 equal (Megatron all-reduces the copy from stage 0 at init, then their gradients every step).
 :func:`merge` checks that the two copies, and each replicated tensor across TP ranks, are
 bitwise equal: a difference means the pieces do not come from one model.
+
+Virtual pipeline stages (interleaved 1F1B, ``vpp`` chunks per pipeline rank): the layers are cut
+into ``pp * vpp`` stages exactly as above, and stage ``s`` is model chunk ``s // pp`` of pipeline
+rank ``s % pp`` (Megatron's layout: ``get_transformer_layer_offset`` with ``vp_stage``; each
+chunk numbers its layers from 0). A chunk's local state dict is therefore the piece of stage ``s``
+of a ``pp * vpp``-stage cut: the functions here take that stage count as ``pp`` and the stage as
+``pp_rank`` (``ParallelDims.stages`` and ``ParallelDims.stage(chunk)``).
 """
 from __future__ import annotations
 
@@ -116,10 +123,11 @@ def padded_vocab(vocab_size: int, tp: int, vocab_multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def check_parallel(args: ModelArgs, tp: int, pp: int, ep: int = 1) -> None:
-    """Raise ``ValueError`` unless ``args``'s model can be cut into ``tp`` x ``pp`` (x ``ep``) pieces."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ValueError(f"tp={tp}, pp={pp} and ep={ep} must be >= 1")
+def check_parallel(args: ModelArgs, tp: int, pp: int, ep: int = 1, vpp: int = 1) -> None:
+    """Raise ``ValueError`` unless ``args``'s model can be cut into ``tp`` x ``pp`` (x ``ep``) pieces,
+    each pipeline rank holding ``vpp`` virtual stages (``pp * vpp`` stages in all)."""
+    if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
+        raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
 
     def divisors(*ns: int) -> list[int]:
         return [x for x in range(1, min(ns) + 1) if all(n % x == 0 for n in ns)]
@@ -132,6 +140,9 @@ def check_parallel(args: ModelArgs, tp: int, pp: int, ep: int = 1) -> None:
         if n % tp:
             raise ValueError(f"tensor parallel size tp={tp} does not divide {field}={n}; valid tp "
                              f"(dividing {', '.join(tp_fields)}): {divisors(*tp_fields.values())}")
+    if vpp > 1 and args.num_hidden_layers % (pp * vpp):
+        raise ValueError(f"pp * vpp = {pp} * {vpp} pipeline stages do not divide num_hidden_layers="
+                         f"{args.num_hidden_layers}; valid pp * vpp: {divisors(args.num_hidden_layers)}")
     if args.num_hidden_layers % pp:
         raise ValueError(f"pipeline parallel size pp={pp} does not divide num_hidden_layers="
                          f"{args.num_hidden_layers}; valid pp: {divisors(args.num_hidden_layers)}")

@@ -327,6 +327,64 @@ def _patch_moe_host_splits() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+# Tags of pipeline p2p messages over gloo: a message's direction, so that a receive can only
+# match a send going the same way (see _patch_p2p_directions).
+_TAG_FORWARD, _TAG_BACKWARD, _TAG_SHAPE_FORWARD, _TAG_SHAPE_BACKWARD = 1, 2, 3, 4
+
+
+def _directed_p2p(send_prev, recv_prev, send_next, recv_next, prev_rank, next_rank, group, tags):
+    """isend/irecv of one pipeline exchange, each tagged by its direction: ``tags`` = (forward,
+    backward); forward messages go to the next stage and come from the previous one."""
+    fwd, bwd = tags
+    reqs = []
+    if send_prev is not None:
+        reqs.append(torch.distributed.isend(send_prev, prev_rank, group=group, tag=bwd))
+    if recv_prev is not None:
+        reqs.append(torch.distributed.irecv(recv_prev, prev_rank, group=group, tag=fwd))
+    if send_next is not None:
+        reqs.append(torch.distributed.isend(send_next, next_rank, group=group, tag=fwd))
+    if recv_next is not None:
+        reqs.append(torch.distributed.irecv(recv_next, next_rank, group=group, tag=bwd))
+    return reqs
+
+
+def _patch_p2p_directions() -> None:
+    """With two pipeline ranks the previous and the next stage are the same process, and the
+    interleaved schedule (virtual pipeline stages) sends activations forward and gradients
+    backward in one exchange. Megatron's batched p2p (and its shape exchange) post them untagged,
+    and gloo matches a receive with the first send from that peer and tag: rank 0's gradient
+    (sent to its "previous" stage) can land in rank 1's activation buffer (received from its
+    "previous" stage) when both have the same shape. Seen on CPU: TP2 x PP2 x VPP2 training then
+    diverges from the single-process run. NCCL groups these ops, and Megatron's non-batched path
+    uses two communicators for pp=2; on gloo every pipeline message is tagged by its direction
+    instead. Same messages, same order."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    if getattr(p2p._batched_p2p_ops, "_megarl_cpu", False):
+        return
+
+    def _batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                         prev_pipeline_rank, next_pipeline_rank):
+        return _directed_p2p(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                             prev_pipeline_rank, next_pipeline_rank, group, (_TAG_FORWARD, _TAG_BACKWARD))
+
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        def shape(t):
+            return None if t is None else torch.tensor(t.size(), dtype=torch.int64)
+        recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+        for req in _directed_p2p(shape(tensor_send_prev), recv_prev_shape, shape(tensor_send_next), recv_next_shape,
+                                 self.prev_rank, self.next_rank, self.pp_group,
+                                 (_TAG_SHAPE_FORWARD, _TAG_SHAPE_BACKWARD)):
+            req.wait()
+        return (recv_prev_shape.tolist() if recv_prev else [0, 0, 0],
+                recv_next_shape.tolist() if recv_next else [0, 0, 0])
+
+    _batched_p2p_ops._megarl_cpu = True
+    p2p._batched_p2p_ops = _batched_p2p_ops
+    p2p.P2PCommunicator._communicate_shapes = _communicate_shapes
+
+
 _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
@@ -335,6 +393,7 @@ _PATCHES: list[Callable[[], None]] = [
     _patch_tied_embedding_copy,
     _patch_moe_router_fp64,
     _patch_moe_host_splits,
+    _patch_p2p_directions,
 ]
 
 

@@ -7,6 +7,8 @@ exactly once, here, into a :class:`ParallelDims`, and passes that object around;
 Launch modes:
 - under torchrun/srun-with-torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set):
   join that world;
+- as a task of an srun step or under mpirun: the same, after ``launch_env.export_launch_env``
+  has written those variables from Slurm's / MPI's;
 - otherwise: a world of one process on localhost with a free port.
 The backend is gloo on CPU and nccl when CUDA is available.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel import cpu_compat
+from megarl.parallel.launch_env import export_launch_env
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,21 @@ class ParallelDims:
     expt_dp_group: dist.ProcessGroup | None = None
     """Expert-data-parallel group: the ranks holding the same experts (world / (tp*ep*pp) of them);
     expert gradients are averaged over it, dense ones over ``dp_group``."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B): the layers are cut into
+    ``pp * vpp`` stages and pipeline rank ``p`` holds the ``vpp`` model chunks of stages
+    ``p, p + pp, p + 2 pp, ...`` (:meth:`stage`)."""
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the layers are cut into: ``pp * vpp`` (virtual stages)."""
+        return self.pp * self.vpp
+
+    def stage(self, chunk: int) -> int:
+        """Pipeline stage (of :attr:`stages`) held by this rank's model chunk ``chunk``."""
+        if not 0 <= chunk < self.vpp:
+            raise ValueError(f"model chunk {chunk} out of range: this rank holds {self.vpp} (vpp={self.vpp})")
+        return chunk * self.pp + self.pp_rank
 
     @property
     def tp_rank(self) -> int:
@@ -88,14 +106,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1) -> ParallelDims:
+def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1, vpp: int = 1) -> ParallelDims:
     """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
     Megatron's model-parallel state; return the groups as a :class:`ParallelDims`.
 
     ``ep`` is the expert-parallel size (MoE models): Megatron lays out experts as
-    ``tp x ep x expert-dp x pp`` with expert-TP = ``tp``, so ``tp * ep * pp`` must divide the world."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ValueError(f"tp={tp}, pp={pp} and ep={ep} must be >= 1")
+    ``tp x ep x expert-dp x pp`` with expert-TP = ``tp``, so ``tp * ep * pp`` must divide the world.
+    ``vpp`` > 1 (virtual pipeline stages per pipeline rank, interleaved 1F1B) needs ``pp`` >= 2."""
+    if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
+        raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
+    if vpp > 1 and pp < 2:
+        raise ValueError(f"vpp={vpp} (virtual pipeline stages) needs pipeline parallelism: pp={pp}; valid: pp >= 2 "
+                         f"or vpp=1")
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -103,6 +125,7 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
     backend = "nccl" if cuda else "gloo"
     owns = False
     if not dist.is_initialized():
+        export_launch_env()  # srun / mpirun ranks as torchrun's variables (torchrun's own kept)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: env:// rendezvous
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             init_method = "env://"
@@ -128,6 +151,7 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
     # main groups already are gloo, so do not create a second copy of every group.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  distributed_timeout_minutes=timeout_minutes,
                                  create_gloo_process_groups=cuda)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -136,10 +160,10 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
         world_size=world, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp),
         tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
         backend=backend, device=device, owns_process_group=owns,
-        ep=ep, ep_group=pgs.ep, expt_dp_group=pgs.expt_dp,
+        ep=ep, ep_group=pgs.ep, expt_dp_group=pgs.expt_dp, vpp=vpp,
     )
-    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d dp=%d ep=%d", backend, world, tp, pp,
-                dims.dp, ep)
+    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d vpp=%d dp=%d ep=%d", backend, world, tp, pp,
+                vpp, dims.dp, ep)
     return dims
 
 

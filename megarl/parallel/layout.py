@@ -36,6 +36,11 @@ class ParallelConfig:
     """Tensor-parallel size of the trainer (divides attention heads and KV heads)."""
     trainer_pp: int = 1
     """Pipeline-parallel size of the trainer (divides the number of layers)."""
+    trainer_vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (Megatron's interleaved 1F1B schedule, which
+    shrinks the pipeline bubble by this factor): the layers are cut into trainer_pp * trainer_vpp
+    stages, each rank holding every pp-th one. Needs trainer_pp >= 2; trainer_pp * trainer_vpp
+    must divide the number of layers."""
     trainer_ep: int = 1
     """Expert-parallel size of the trainer (MoE models; divides the experts and the trainer's
     data-parallel size)."""
@@ -51,9 +56,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"parallel.placement={self.placement!r} is invalid; valid choices: {list(PLACEMENTS)}")
-        for name in ("trainer_tp", "trainer_pp", "trainer_ep", "rollout_tp"):
+        for name in ("trainer_tp", "trainer_pp", "trainer_vpp", "trainer_ep", "rollout_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} is invalid; valid range: >= 1")
+        if self.trainer_vpp > 1 and self.trainer_pp < 2:
+            raise ValueError(f"parallel.trainer_vpp={self.trainer_vpp} needs pipeline parallelism (trainer_pp >= 2, "
+                             f"got trainer_pp={self.trainer_pp}); valid: trainer_pp >= 2 or trainer_vpp=1")
         if not self.weight_sync_bucket_mb > 0:
             raise ValueError(f"parallel.weight_sync_bucket_mb={self.weight_sync_bucket_mb} is invalid; valid range: > 0")
         if self.placement == "colocated" and self.rollout_ranks != 0:
@@ -104,6 +112,9 @@ class Layout:
         _need_divides("parallel.trainer_tp", cfg.trainer_tp, "num_attention_heads", num_attention_heads)
         _need_divides("parallel.trainer_tp", cfg.trainer_tp, "num_key_value_heads", num_key_value_heads)
         _need_divides("parallel.trainer_pp", cfg.trainer_pp, "num_hidden_layers", num_layers)
+        if cfg.trainer_vpp > 1:
+            _need_divides("parallel.trainer_pp * trainer_vpp", cfg.trainer_pp * cfg.trainer_vpp, "num_hidden_layers",
+                          num_layers)
         dp = len(trainer) // (cfg.trainer_tp * cfg.trainer_pp)
         if cfg.trainer_ep > 1:
             if num_experts == 0:

@@ -277,7 +277,9 @@ class WeightSync:
         self.dims = d = trainer.dims
         self.dtype: torch.dtype = trainer.dtype
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
-        self.buckets = plan_buckets(self.args, d.tp, d.pp, d.ep, self.dtype, self.bucket_bytes)
+        # With virtual pipeline stages the buckets go stage by stage over pp * vpp stages; stage s is
+        # owned by pipeline rank s % pp (mcore_sharding's docstring).
+        self.buckets = plan_buckets(self.args, d.tp, d.stages, d.ep, self.dtype, self.bucket_bytes)
         self.hf_names = mcore_mapping.mcore_to_hf_names(self.args)
         esize = torch.empty((), dtype=self.dtype).element_size()
         # bytes of the full tensors a sync delivers: the whole model, once (weight_sync_bytes)
@@ -288,7 +290,7 @@ class WeightSync:
         self._tied = next(((b.index, i) for b in self.buckets for i, it in enumerate(b.items)
                            if it.local == "embedding.word_embeddings.weight"), None)
         if not (self.args.tie_word_embeddings and d.pp > 1 and d.pp_rank == d.pp - 1):
-            self._tied = None
+            self._tied = None  # only the rank holding the last stage keeps the copy
         self._check_trainer()
         self._check_engine()
 
@@ -297,15 +299,16 @@ class WeightSync:
     def _check_trainer(self) -> None:
         """This rank's GPTModel piece holds exactly the plan's tensors (names, shapes, dtype)."""
         d = self.dims
-        plan = mcore_sharding.local_plan(self.args, d.tp, d.pp, d.pp_rank, ep=d.ep, ep_rank=d.ep_rank)
-        local = {k: v for k, v in self.trainer.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        bad = sorted(set(plan) ^ set(local))
-        bad += [f"{k}: {tuple(local[k].shape)} {local[k].dtype}, expected {plan[k].shape} {self.dtype}"
-                for k in sorted(set(plan) & set(local))
-                if tuple(local[k].shape) != plan[k].shape or local[k].dtype != self.dtype]
-        if bad:
-            raise ValueError(f"weight sync: the trainer piece of rank {d.rank} (tp_rank {d.tp_rank}, pp_rank "
-                             f"{d.pp_rank}, ep_rank {d.ep_rank}) does not match the plan: {bad[:8]}")
+        for stage, local in self.trainer.local_pieces().items():
+            plan = mcore_sharding.local_plan(self.args, d.tp, d.stages, stage, ep=d.ep, ep_rank=d.ep_rank)
+            bad = sorted(set(plan) ^ set(local))
+            bad += [f"{k}: {tuple(local[k].shape)} {local[k].dtype}, expected {plan[k].shape} {self.dtype}"
+                    for k in sorted(set(plan) & set(local))
+                    if tuple(local[k].shape) != plan[k].shape or local[k].dtype != self.dtype]
+            if bad:
+                raise ValueError(f"weight sync: the trainer piece of rank {d.rank} (tp_rank {d.tp_rank}, pp_rank "
+                                 f"{d.pp_rank}, stage {stage}, ep_rank {d.ep_rank}) does not match the plan: "
+                                 f"{bad[:8]}")
 
     def _check_engine(self) -> None:
         """The engine holds exactly the HF tensors the plan delivers, at this rollout rank's shapes."""
@@ -338,7 +341,7 @@ class WeightSync:
         t0 = time.perf_counter()
         d = self.dims
         rec = _Record(d.rank)
-        local = {k: v for k, v in self.trainer.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        local = self.trainer.local_pieces()  # stage -> this rank's piece of it
         engine_sd = self.engine.model.state_dict()
         for b in self.buckets:
             chunks, buf = self._transport(b, local, rec)
@@ -367,6 +370,7 @@ class WeightSync:
         return buf[start:start + 8 * (_HEADER + 3 * len(b.items))].view(torch.int64)
 
     def _pack(self, b: Bucket, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(``local``: this rank's piece of stage ``b.stage``.)"""
         """This rank's chunk of ``b``: its pieces, then the header and their checksums."""
         d = self.dims
         buf = torch.empty(b.chunk, dtype=torch.uint8, device=d.device)
@@ -380,24 +384,25 @@ class WeightSync:
         trailer[_HEADER:] = torch.stack(sums).reshape(-1)
         return buf
 
-    def _transport(self, b: Bucket, local: dict[str, torch.Tensor], rec: _Record):
+    def _transport(self, b: Bucket, local: dict[int, dict[str, torch.Tensor]], rec: _Record):
         """The pieces of ``b`` on this rank after every hop: per chunk (EP-major, then TP rank) the
-        list of piece views, and the buffer holding them (None without hops)."""
+        list of piece views, and the buffer holding them (None without hops). ``local``: this
+        rank's pieces by stage."""
         d = self.dims
         if not self._moves(b):
-            return [[local[it.local] for it in b.items]], None
-        owner = d.pp_rank == b.stage
-        buf = self._pack(b, local) if owner else torch.empty(b.chunk, dtype=torch.uint8, device=d.device)
+            return [[local[b.stage][it.local] for it in b.items]], None
+        owner = b.stage in local
+        buf = self._pack(b, local[b.stage]) if owner else torch.empty(b.chunk, dtype=torch.uint8, device=d.device)
         rec.alloc(b.chunk)
         if d.pp > 1:
-            dist.broadcast(buf, group=d.pp_group, group_src=b.stage)
+            dist.broadcast(buf, group=d.pp_group, group_src=b.stage % d.pp)
             if not owner:
                 rec.wire += b.chunk
                 self._received(b, "pp", buf, [0], lambda c: (d.tp_rank, d.ep_rank), rec)
                 if self._tied is not None and self._tied[0] == b.index:
                     i = self._tied[1]
                     rows = torch.stack([self._trailer(buf, 0, b)[_HEADER + 3 * i:_HEADER + 3 * i + 3],
-                                        byte_checksum(local["output_layer.weight"])])
+                                        byte_checksum(local[d.stages - 1]["output_layer.weight"])])
                     rec.same.append((f"bucket {b.index}: tied embeddings: the last stage's copy "
                                      f"(output_layer.weight, tp_rank {d.tp_rank}) differs from stage 0's "
                                      f"embedding.word_embeddings.weight", rows))

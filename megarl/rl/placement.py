@@ -26,6 +26,13 @@ class LengthHistory:
         if lengths:
             self.last[uid] = sum(lengths) / len(lengths)
 
+    def state_dict(self) -> dict:
+        """For the run checkpoint (JSON): a resumed run places prompts as the uninterrupted one."""
+        return {"last": [[uid, mean] for uid, mean in sorted(self.last.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last = {int(uid): float(mean) for uid, mean in state["last"]}
+
     def predict(self, uid: int) -> float:
         if uid in self.last:
             return self.last[uid]

@@ -64,6 +64,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
         attention_dropout=0.0,
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -137,9 +138,11 @@ def seed_megatron(seed: int, dims: ParallelDims) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=dims.tp_rank, ep_rank=dims.ep_rank, etp_rank=0)
 
 
-def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0):
+def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    chunk: int = 0):
     """Megatron ``GPTModel`` of this rank with the local (non-TE) layer spec: the pipeline stage
-    ``dims.pp_rank`` (embedding on the first stage, final norm and output layer on the last) and
+    ``dims.stage(chunk)`` of ``dims.stages`` (with virtual stages, ``vpp`` > 1, one call per model
+    chunk; embedding on the first stage, final norm and output layer on the last) and
     the TP piece ``dims.tp_rank``, the vocab padded to ``mcore_sharding.padded_vocab`` (not padded
     at TP=1); for an MoE model the router and this EP rank's ``num_experts / dims.ep`` experts
     (``SequentialMLP``), with the q/k layernorms of Qwen3. Megatron's own init, seeded by
@@ -147,7 +150,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    mcore_sharding.check_parallel(args, dims.tp, dims.pp, dims.ep)
+    mcore_sharding.check_parallel(args, dims.tp, dims.pp, dims.ep, vpp=dims.vpp)
+    stage = dims.stage(chunk)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts or None, moe_grouped_gemm=False,
                                      qk_layernorm=args.qk_norm, normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
@@ -161,8 +165,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
         transformer_layer_spec=spec,
         vocab_size=mcore_sharding.padded_vocab(args.vocab_size, dims.tp),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=dims.pp_rank == 0,
-        post_process=dims.pp_rank == dims.pp - 1,
+        pre_process=stage == 0,
+        post_process=stage == dims.stages - 1,
         fp16_lm_cross_entropy=False,
         parallel_output=True,  # vocab-parallel logits; gpt_logits gathers them over dims.tp_group
         share_embeddings_and_output_weights=args.tie_word_embeddings,
@@ -170,6 +174,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
         rotary_percent=1.0,
         rotary_base=int(args.rope_theta) if float(args.rope_theta).is_integer() else args.rope_theta,
         pg_collection=dims.pg_collection,
+        vp_stage=chunk if dims.vpp > 1 else None,
     )
     # WrappedTorchNorm builds RMSNorm weights in torch's default dtype, ignoring params_dtype;
     # cast so that every parameter has the model dtype (fp64 tests rely on it).
@@ -192,10 +197,12 @@ def load_state(model, local_sd: dict[str, torch.Tensor]) -> None:
         raise KeyError(f"Megatron model state mismatch: missing {missing}, unexpected {unexpected}")
 
 
-def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: ParallelDims) -> None:
-    """Load this rank's piece of full HF-named weights into its stage/TP piece ``model``."""
+def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: ParallelDims, chunk: int = 0) -> None:
+    """Load this rank's piece of full HF-named weights into its stage/TP piece ``model`` (model
+    chunk ``chunk`` with virtual stages)."""
     full = mcore_mapping.hf_to_mcore(hf_sd, args)
-    load_state(model, mcore_sharding.shard_rank(full, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank,
+    stage = dims.stage(chunk)
+    load_state(model, mcore_sharding.shard_rank(full, args, dims.tp, dims.stages, dims.tp_rank, stage,
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
 
 
@@ -264,21 +271,27 @@ def gpt_logits(model, input_ids: torch.Tensor, dims: ParallelDims | None = None,
 @torch.no_grad()
 def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_size: int) -> torch.Tensor | None:
     """Forward-only pass through the pipeline: every stage of ``dims.pp_group`` calls this with the
-    same ``input_ids`` [B, T]. A stage other than the first receives the hidden states [T, B, h]
-    from the previous stage (``set_input_tensor``), runs its layers and sends its output to the
-    next stage; the last stage returns the full-vocab logits [B, T, vocab_size] (gathered over TP),
-    the others return None."""
-    gpt = getattr(model, "module", model)
-    device, dtype = next(gpt.parameters()).device, next(gpt.parameters()).dtype
-    input_ids = input_ids.to(device)
-    b, t = input_ids.shape
-    first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
-    if not first:
-        hidden = torch.empty(t, b, gpt.config.hidden_size, dtype=dtype, device=device)
-        dist.recv(hidden, group=dims.pp_group, group_src=dims.pp_rank - 1)
-        gpt.set_input_tensor(hidden)
-    out = model(input_ids, *_positions_and_mask(input_ids))
-    if not last:
-        dist.send(out.contiguous(), group=dims.pp_group, group_dst=dims.pp_rank + 1)
-        return None
-    return gather_logits(out, dims.tp_group, vocab_size)
+    same ``input_ids`` [B, T] and its model (with virtual stages, the list of its ``dims.vpp`` model
+    chunks). A stage other than the first receives the hidden states [T, B, h] from the previous
+    stage (``set_input_tensor``), runs its layers and sends its output to the next stage (with
+    virtual stages, the last pipeline rank's chunk hands on to the first rank's next chunk); the
+    last stage returns the full-vocab logits [B, T, vocab_size] (gathered over TP), the others
+    return None."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != dims.vpp:
+        raise ValueError(f"pipeline_logits got {len(chunks)} model chunks; this rank holds vpp={dims.vpp}")
+    for c, m in enumerate(chunks):
+        gpt = getattr(m, "module", m)
+        device, dtype = next(gpt.parameters()).device, next(gpt.parameters()).dtype
+        ids = input_ids.to(device)
+        b, t = ids.shape
+        stage = dims.stage(c)
+        if stage > 0:
+            hidden = torch.empty(t, b, gpt.config.hidden_size, dtype=dtype, device=device)
+            dist.recv(hidden, group=dims.pp_group, group_src=(dims.pp_rank - 1) % dims.pp)
+            gpt.set_input_tensor(hidden)
+        out = m(ids, *_positions_and_mask(ids))
+        if stage == dims.stages - 1:
+            return gather_logits(out, dims.tp_group, vocab_size)
+        dist.send(out.contiguous(), group=dims.pp_group, group_dst=(dims.pp_rank + 1) % dims.pp)
+    return None

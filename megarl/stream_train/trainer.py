@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
-from megarl.checkpoint.convert import read_hf_piece
+from megarl.checkpoint.convert import load_piece, read_hf_piece, read_meta
 from megarl.models import mcore_sharding
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims
@@ -71,17 +71,18 @@ def _row_lengths(batch: dict[str, Any]) -> torch.Tensor:
     return (idx * (mask != 0)).amax(dim=1) + 1  # last target position + 1, >= 1
 
 
-def _micro_batches(batch: dict[str, Any], size: int, order: torch.Tensor | None = None):
+def _micro_batches(batch: dict[str, Any], size: int, order: torch.Tensor | None = None, trim: bool = True):
     """Split per-row entries (tensors whose first dim is the batch size) into slices of ``size``
     rows, taken in ``order`` (rows of similar length together), and trim each slice's time axis
-    to its longest row: right padding never costs compute. Everything else (0-d tensors such as
-    the step's token count, python values) is passed to every micro-batch unchanged."""
+    to its longest row: right padding never costs compute (``trim=False``: to the batch's longest
+    row, one width for all). Everything else (0-d tensors such as the step's token count, python
+    values) is passed to every micro-batch unchanged."""
     n, t = batch["input_ids"].shape
     lengths = _row_lengths(batch)
     order = torch.arange(n) if order is None else order
     for start in range(0, n, size):
         rows = order[start:start + size]
-        width = int(lengths[rows].max())
+        width = int(lengths[rows].max() if trim else lengths[order].max())
         mb = {}
         for k, v in batch.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
@@ -92,6 +93,19 @@ def _micro_batches(batch: dict[str, Any], size: int, order: torch.Tensor | None 
                     v = v[:, :width - 1]
             mb[k] = v
         yield mb
+
+
+def _pad_rows(batch: dict[str, Any], extra: int) -> dict[str, Any]:
+    """``batch`` with ``extra`` more rows, copies of row 0 with an all-zero ``loss_mask``: they add
+    exactly 0 to every masked sum (loss, metrics, gradients)."""
+    n = batch["input_ids"].shape[0]
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+            pad = torch.zeros_like(v[:1]) if k == "loss_mask" else v[:1]
+            v = torch.cat([v, pad.expand(extra, *v.shape[1:])])
+        out[k] = v
+    return out
 
 
 def _length_order(batch: dict[str, Any]) -> torch.Tensor:
@@ -111,13 +125,15 @@ class Trainer:
     optimizer."""
 
     def __init__(self, args: ModelArgs, cfg: TrainerConfig, dims: ParallelDims,
-                 hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0, hf_dir: str | None = None):
+                 hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0, hf_dir: str | None = None,
+                 mcore_dir: str | None = None):
         """Starting weights: ``hf_dir`` (a HF folder: this rank reads only its own piece, see
-        :func:`megarl.checkpoint.convert.read_hf_piece`), else ``hf_state`` (full HF-named
-        tensors), else fresh ones drawn from ``seed`` (:func:`megarl.models.init_weights.init_hf_state`),
-        the same for every layout."""
-        if hf_dir is not None and hf_state is not None:
-            raise ValueError("Trainer takes hf_dir or hf_state, not both")
+        :func:`megarl.checkpoint.convert.read_hf_piece`), or ``mcore_dir`` (a folder written by
+        ``megarl convert hf-to-mcore`` in this layout: this rank reads its own piece files), else
+        ``hf_state`` (full HF-named tensors), else fresh ones drawn from ``seed``
+        (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
+        if sum(x is not None for x in (hf_dir, mcore_dir, hf_state)) > 1:
+            raise ValueError("Trainer takes one of hf_dir, mcore_dir and hf_state")
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         self.args, self.cfg, self.dims = args, cfg, dims
@@ -127,35 +143,59 @@ class Trainer:
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
-        model = build_gpt_model(args, dims, self.dtype, seed=seed)
-        # A fresh model is drawn whole and sharded (models/init_weights.py): Megatron's own init
-        # would depend on the TP/PP/EP layout, and a run must start where its single-process
-        # equivalent starts.
-        if hf_dir is not None:
-            load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.pp, dims.tp_rank, dims.pp_rank,
-                                            ep=dims.ep, ep_rank=dims.ep_rank))
-        else:
-            load_hf_state(model, hf_state if hf_state is not None else init_hf_state(args, seed, self.dtype), args,
-                          dims)
-        mcfg = model.config
-        # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised by
-        # the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
-        mcfg.calculate_per_token_loss = True
-        # Megatron's schedules all-reduce DP gradients (and the tied embedding's grads across the
-        # first and last pipeline stage) only through this hook; unset, they never would be.
-        mcfg.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
-        # Micro-batches are trimmed to their longest row, so pipeline stages exchange shapes.
-        mcfg.variable_seq_lengths = dims.pp > 1
+        if mcore_dir is not None:
+            self._check_mcore_layout(mcore_dir)
+        elif hf_dir is None and hf_state is None:
+            # A fresh model is drawn whole and sharded (models/init_weights.py): Megatron's own init
+            # would depend on the TP/PP/EP layout, and a run must start where its single-process
+            # equivalent starts.
+            hf_state = init_hf_state(args, seed, self.dtype)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=False,  # grads keep the param dtype (fp64 stays fp64)
             overlap_grad_reduce=False,
             use_distributed_optimizer=False,
             check_for_nan_in_grad=True,
         )
-        self.model = DistributedDataParallel(mcfg, ddp_cfg, model, pg_collection=dims.pg_collection)
+        # One model chunk per virtual pipeline stage of this rank (one without vpp), each wrapped
+        # in its own DDP as Megatron's get_model does (bucketing only for the first chunk).
+        self.models = []
+        for chunk in range(dims.vpp):
+            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk)
+            if hf_dir is not None:
+                load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
+                                                ep=dims.ep, ep_rank=dims.ep_rank))
+            elif mcore_dir is not None:
+                load_state(model, load_piece(mcore_dir, dims.tp_rank, dims.pp_rank, dims.ep_rank,
+                                             vp=chunk if dims.vpp > 1 else None))
+            else:
+                load_hf_state(model, hf_state, args, dims, chunk=chunk)
+            mcfg = model.config
+            # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised
+            # by the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
+            mcfg.calculate_per_token_loss = True
+            # Megatron's schedules all-reduce DP gradients (and the tied embedding's grads across
+            # the first and last pipeline stage) only through this hook; unset, they never would be.
+            mcfg.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
+            # Micro-batches are trimmed to their longest row, so pipeline stages exchange shapes
+            # (not with virtual stages: see _split).
+            mcfg.variable_seq_lengths = dims.pp > 1 and dims.vpp == 1
+            self.models.append(DistributedDataParallel(mcfg, ddp_cfg, model, disable_bucketing=chunk > 0,
+                                                       pg_collection=dims.pg_collection))
         self._build_optimizer()
 
     # ------------------------------------------------------------------ internals
+
+    def _check_mcore_layout(self, mcore_dir: str) -> None:
+        """``mcore_dir`` holds this trainer's model in this trainer's layout."""
+        meta, args = read_meta(mcore_dir)
+        d = self.dims
+        got, want = ({k: meta[k] for k in ("tp", "pp", "vpp", "ep")},
+                     {"tp": d.tp, "pp": d.pp, "vpp": d.vpp, "ep": d.ep})
+        if got != want:
+            raise ValueError(f"{mcore_dir} was converted for trainer layout {got}; this trainer is {want}")
+        if mcore_mapping.hf_shapes(args) != mcore_mapping.hf_shapes(self.args):
+            raise ValueError(f"{mcore_dir} holds another model than this trainer's: {args.model_type} with tensor "
+                             f"shapes differing from this {self.args.model_type}'s")
 
     def _build_optimizer(self) -> None:
         """A fresh Megatron optimizer (no moments) over the model's parameters."""
@@ -170,7 +210,7 @@ class Trainer:
         )
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
         # the non-distributed optimizer does not need them.
-        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], use_gloo_process_groups=False,
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.models, use_gloo_process_groups=False,
                                                 pg_collection=self.dims.pg_collection)
         self._apply_lr_and_wd()
 
@@ -180,9 +220,21 @@ class Trainer:
         self._build_optimizer()
 
     @property
+    def model(self):
+        """The DDP-wrapped model (the first chunk with virtual pipeline stages: see ``models``)."""
+        return self.models[0]
+
+    @property
     def gpt(self):
-        """The unwrapped Megatron GPTModel."""
-        return self.model.module
+        """The unwrapped Megatron GPTModel (the first chunk with virtual pipeline stages)."""
+        return self.models[0].module
+
+    def local_pieces(self) -> dict[int, dict[str, torch.Tensor]]:
+        """This rank's weights by pipeline stage (``dims.stage(chunk)`` for each model chunk): each
+        a local Megatron state dict (``mcore_sharding.shard_rank``'s layout of that stage), the
+        tensors themselves (no copies)."""
+        return {self.dims.stage(c): {k: v for k, v in m.module.state_dict().items() if not k.endswith("_extra_state")}
+                for c, m in enumerate(self.models)}
 
     def _apply_lr_and_wd(self) -> None:
         """What Megatron's OptimizerParamScheduler does at a constant lr: per-group lr and weight
@@ -192,9 +244,31 @@ class Trainer:
             group["lr"] = self.lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
 
+    def _split(self, batch: dict[str, Any], order: torch.Tensor | None) -> tuple[list[dict[str, Any]], torch.Tensor]:
+        """``batch``'s micro-batches (rows taken in ``order``) and the row order they hold.
+
+        The interleaved schedule (``vpp`` > 1) needs at least ``pp`` micro-batches, all of one
+        shape: smaller ones are cut then, the batch gets zero-mask padding rows (indices >= its
+        row count in the returned order) up to a whole number of them, and all have the batch's
+        longest width. (Variable shapes need a shape exchange before each p2p, which in the
+        interleaved schedule can wait on a peer that is itself waiting for this rank's tensors:
+        with pp=2 a rank's forward-only exchange meets its peer's forward-and-backward one.)"""
+        n = batch["input_ids"].shape[0]
+        order = torch.arange(n) if order is None else order
+        size = self.cfg.micro_batch_size
+        if self.dims.vpp == 1:
+            return list(_micro_batches(batch, size, order)), order
+        pp = self.dims.pp
+        size = max(1, min(size, max(n, pp) // pp))  # then ceil(rows / size) >= pp
+        rows = max(pp, -(-n // size)) * size
+        if rows > n:
+            batch = _pad_rows(batch, rows - n)
+            order = torch.cat([order, torch.arange(n, rows)])
+        return list(_micro_batches(batch, size, order, trim=False)), order
+
     def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None) -> list[dict]:
         """Megatron's schedule over ``microbatches`` (1F1B through the pipeline stages with PP > 1,
-        a plain loop otherwise). With ``loss_fn``: forward and backward, gradients accumulate and
+        interleaved over the model chunks with virtual stages, a plain loop otherwise). With ``loss_fn``: forward and backward, gradients accumulate and
         are finalized (DP all-reduce, tied-embedding all-reduce). Without: forward only.
 
         Returns, on the last pipeline stage, one dict per micro-batch: ``logprobs`` (forward only)
@@ -227,10 +301,19 @@ class Trainer:
         extra = {}
         if dims.pp > 1:
             extra["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=self.gpt.config)
-        return get_forward_backward_func(pp_size=dims.pp, vp_size=None)(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+        data = iter(microbatches)
+        if dims.vpp > 1:
+            data = [iter(microbatches) for _ in self.models]  # each chunk reads every micro-batch
+            # Micro-batches run through a chunk in groups of pp (Megatron's default); the group
+            # size must lie in [pp, M] and leave no remainder in (0, pp): one group of all M
+            # otherwise (_split guarantees M >= pp).
+            m = len(microbatches)
+            self.gpt.config.microbatch_group_size_per_vp_stage = dims.pp if m % dims.pp == 0 else m
+        return get_forward_backward_func(pp_size=dims.pp, vp_size=dims.vpp if dims.vpp > 1 else None)(
+            forward_step_func=forward_step, data_iterator=data, model=self.models,
             num_microbatches=len(microbatches),
-            seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),  # unused: variable lengths
+            # equal for all with virtual stages (_split); unused with variable lengths
+            seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
             micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches),
             forward_only=loss_fn is None, pg_collection=dims.pg_collection, **extra)
 
@@ -249,11 +332,10 @@ class Trainer:
         input_ids = batch["input_ids"]
         out = torch.zeros((input_ids.shape[0], input_ids.shape[1] - 1),
                           dtype=torch.promote_types(self.dtype, torch.float32))
-        mbs = list(_micro_batches(batch, self.cfg.micro_batch_size, order))
+        mbs, order = self._split(batch, order)
         with torch.no_grad():
             outputs = self._forward_backward(mbs, None)
         if self._last_stage:
-            order = torch.arange(input_ids.shape[0]) if order is None else order
             start = 0
             for mb, res in zip(mbs, outputs):
                 rows = order[start:start + mb["input_ids"].shape[0]]
@@ -261,7 +343,8 @@ class Trainer:
                 lp = res["logprobs"].cpu()
                 if "loss_mask" in mb:
                     lp = lp * (mb["loss_mask"] != 0)
-                out[rows, :lp.shape[1]] = lp
+                real = rows < input_ids.shape[0]  # not _split's padding
+                out[rows[real], :lp.shape[1]] = lp[real]
         return self._broadcast_from_last_stage(out)
 
     def _all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -301,8 +384,9 @@ class Trainer:
 
     def begin_step(self) -> None:
         """Start accumulating the gradients of one optimizer step (see :meth:`accumulate`)."""
-        self.model.train()
-        self.model.zero_grad_buffer()
+        for m in self.models:
+            m.train()
+            m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._sums: dict[str, float] = {}
 
@@ -312,7 +396,7 @@ class Trainer:
         group while rollout goes on (megarl/stream_train/stream.py)."""
         if "input_ids" not in batch or "loss_mask" not in batch:
             raise KeyError(f"train_step batch needs input_ids and loss_mask; got {sorted(batch)}")
-        mbs = list(_micro_batches(batch, self.cfg.micro_batch_size, _length_order(batch)))
+        mbs, _ = self._split(batch, _length_order(batch))
         config = self.gpt.config
         finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
         try:  # the schedule would finalize (all-reduce) after every call: finish_step does it once
@@ -328,9 +412,10 @@ class Trainer:
         summed ``loss_fn`` metrics by ``scale``, take the optimizer step. ``scale`` is 1 when
         ``loss_fn`` already divided by the step's count; stream training passes 1/count, the
         count being known only once the step's last group is in (DESIGN.md §2)."""
-        self.gpt.config.finalize_model_grads_func([self.model])
+        self.gpt.config.finalize_model_grads_func(self.models)
         if scale != 1.0:
-            self.model.scale_gradients(scale)
+            for m in self.models:
+                m.scale_gradients(scale)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         sums = self._sums
@@ -356,20 +441,22 @@ class Trainer:
         TP/PP the pieces of this rank's model-parallel group are all-gathered and merged
         (``mcore_sharding.merge``, which also checks that replicated tensors agree bitwise).
         Materialises the full model on each rank: for export and tests, not for the weight sync."""
-        local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.state_dict().items()
-                 if not k.endswith("_extra_state")}
+        local = {stage: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+                 for stage, sd in self.local_pieces().items()}
         dims = self.dims
-        if dims.tp == 1 and dims.pp == 1 and dims.ep == 1:
-            return local
+        if dims.tp == 1 and dims.stages == 1 and dims.ep == 1:
+            return local[0]
         if dims.ep == 1:
             pieces = [None] * (dims.tp * dims.pp)
-            dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank), local), group=dims.pg_collection.mp)
-            return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp)
+            dist.all_gather_object(pieces, [((dims.tp_rank, stage), sd) for stage, sd in local.items()],
+                                   group=dims.pg_collection.mp)
+            return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages)
         # With EP the expert pieces sit on other data-parallel ranks: gather from the whole world
         # and keep one copy of each (tp, pp, ep) piece (DP replicas hold equal ones).
         pieces = [None] * dims.world_size
-        dist.all_gather_object(pieces, ((dims.tp_rank, dims.pp_rank, dims.ep_rank), local))
-        return mcore_sharding.merge(dict(pieces), self.args, dims.tp, dims.pp, ep=dims.ep)
+        dist.all_gather_object(pieces, [((dims.tp_rank, stage, dims.ep_rank), sd) for stage, sd in local.items()])
+        return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages,
+                                    ep=dims.ep)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under HF names, in the model dtype, on CPU, on every rank
@@ -380,8 +467,8 @@ class Trainer:
         """Checkpoint: Megatron-named model weights, Megatron optimizer state, lr, steps done. Deep
         copies, so later steps do not alter a checkpoint kept in memory."""
         return {
-            "model": {k: v.detach().clone() for k, v in self.gpt.state_dict().items()
-                      if not k.endswith("_extra_state")},
+            # one local state dict per model chunk (one without virtual pipeline stages)
+            "model": [{k: v.detach().clone() for k, v in sd.items()} for sd in self.local_pieces().values()],
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "steps_done": self.steps_done,
             "lr": self.lr,
@@ -389,7 +476,12 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next ``train_step`` continues the saved run bitwise."""
-        load_state(self.gpt, sd["model"])
+        models = sd["model"] if isinstance(sd["model"], list) else [sd["model"]]  # a dict: before vpp
+        if len(models) != len(self.models):
+            raise ValueError(f"checkpoint holds {len(models)} model chunks per rank; this trainer has vpp="
+                             f"{self.dims.vpp}: resume with the layout the run was saved with")
+        for m, local in zip(self.models, models):
+            load_state(m.module, local)
         self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
         self.lr = float(sd.get("lr", self.cfg.lr))  # the lr in effect when saved
         self._apply_lr_and_wd()  # weight decay: this run's config

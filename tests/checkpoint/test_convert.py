@@ -25,17 +25,19 @@ TOKENIZER = {"tokenizer.json": '{"fake": "tokenizer"}', "tokenizer_config.json":
              "special_tokens_map.json": '{"eos_token": "x"}'}
 
 
-def make_hf(family: str, path: Path, dtype=torch.float32, seed: int = 0) -> Path:
-    """A tiny random HF model saved with save_pretrained (safetensors) plus fake tokenizer files."""
+def make_hf(family: str, path: Path, dtype=torch.float32, seed: int = 0, **overrides) -> Path:
+    """A tiny random HF model saved with save_pretrained (safetensors) plus fake tokenizer files
+    (``overrides``: config fields other than COMMON's)."""
+    common = {**COMMON, **overrides}
     if family.startswith("llama"):
-        cfg = transformers.LlamaConfig(tie_word_embeddings=family == "llama_tied", **COMMON)
+        cfg = transformers.LlamaConfig(tie_word_embeddings=family == "llama_tied", **common)
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(tie_word_embeddings=False, **COMMON)
+        cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **COMMON)
+        cfg = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common)
     else:
         cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                          tie_word_embeddings=False, **COMMON)
+                                          tie_word_embeddings=False, **common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -114,6 +116,41 @@ def test_round_trip_is_bitwise_and_pieces_are_shard_rank(tmp_path, family):
     cv.mcore_to_hf(tmp_path / "mc", single, progress=False)
     assert (single / SINGLE_FILE).is_file() and not (single / INDEX_FILE).exists()
     assert_same_tensors(load_file(single / SINGLE_FILE), hf_sd)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe"])
+def test_vpp_pieces_are_the_stage_shards_and_round_trip(tmp_path, family):
+    """--vpp 2 with --pp 2: 4 stages of one layer; rank p's chunk v is the shard of stage v*pp + p
+    (what the interleaved trainer's chunk loads), the tied model's last-stage copy on pp_rank 1's
+    last chunk; back to HF bitwise."""
+    hf = make_hf(family, tmp_path / "hf", num_hidden_layers=4)
+    par = dict(parallel(family), vpp=2)
+    report = cv.main_convert(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--no-progress",
+                              *[a for k, v in par.items() for a in (f"--{k}", str(v))]])
+    args = ModelArgs.from_hf_config(json.loads((hf / "config.json").read_text()))
+    full = mm.hf_to_mcore(load_hf_state_dict(hf), args)
+    tp, pp, ep = par["tp"], par["pp"], par["ep"]
+    meta = json.loads((tmp_path / "mc" / "meta.json").read_text())
+    assert (meta["pp"], meta["vpp"]) == (2, 2) and len(meta["files"]) == tp * pp * 2 * ep
+    n = 0
+    for e in range(ep):
+        for p in range(pp):
+            for v in range(2):
+                for t in range(tp):
+                    piece = cv.load_piece(tmp_path / "mc", t, p, e, vp=v)
+                    want = ms.shard_rank(full, args, tp, pp * 2, t, v * pp + p, ep=ep, ep_rank=e)
+                    assert_same_tensors(piece, want)
+                    assert_same_tensors(cv.read_hf_piece(hf, args, tp, pp * 2, t, v * pp + p, ep, e), want)
+                    assert sorted(k for k in piece if k.startswith("decoder.layers.")) == sorted(
+                        k for k in piece if k.startswith("decoder.layers.0."))  # one layer per chunk
+                    assert ("embedding.word_embeddings.weight" in piece) == (p == 0 and v == 0)
+                    assert ("output_layer.weight" in piece) == (p == pp - 1 and v == 1)
+                    n += len(piece)
+    assert report.tensors == n
+    with pytest.raises(ValueError, match="has vpp=2: pass vp in 0..1"):
+        cv.load_piece(tmp_path / "mc", 0, 0)
+    cv.mcore_to_hf(tmp_path / "mc", tmp_path / "back", progress=False)
+    assert_same_tensors(load_hf_state_dict(tmp_path / "back"), load_hf_state_dict(hf))
 
 
 def test_bf16_round_trip_keeps_dtype(tmp_path):
@@ -231,6 +268,8 @@ def test_tied_model_with_differing_lm_head(tmp_path):
     ("qwen2", dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
     ("qwen2", dict(tp=4), "tp=4 does not divide num_key_value_heads=2"),
     ("qwen2", dict(pp=3), "pp=3 does not divide num_hidden_layers=2"),
+    ("qwen2", dict(pp=2, vpp=2), r"pp \* vpp = 2 \* 2 pipeline stages do not divide num_hidden_layers=2"),
+    ("qwen2", dict(pp=1, vpp=2), "--vpp 2 .* needs --pp >= 2"),
     ("qwen2", dict(ep=2), "ep=2 needs an MoE model"),
     ("qwen3_moe", dict(tp=2), "MoE models need tp=1"),
     ("qwen3_moe", dict(ep=3), "ep=3 does not divide num_experts=4"),
@@ -304,3 +343,18 @@ def test_replicated_pieces_must_agree(converted):
     with pytest.raises(ValueError, match="replicated tensor decoder.final_layernorm.weight of pp_rank=1 differs"):
         cv.mcore_to_hf(converted, converted.parent / "back", progress=False)
     assert nothing_at(converted.parent / "back")
+
+
+def test_init_from_mcore_needs_the_run_layout(tmp_path):
+    """A run started from a converted folder checks its layout before anything is built: the error
+    names both layouts and the convert command that fixes it."""
+    from megarl.config import load_config
+    from megarl.setup_run import prepare_inputs
+
+    cv.hf_to_mcore(hf_folder(tmp_path), tmp_path / "mc", tp=2, pp=2, progress=False)
+    config = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+    with pytest.raises(ValueError, match=r"converted with \{'tp': 2, 'pp': 2, 'vpp': 1, 'ep': 1\}, this run's trainer "
+                                         r"has \{'tp': 1, 'pp': 1, 'vpp': 1, 'ep': 1\}.*hf-to-mcore --tp 1 --pp 1"):
+        prepare_inputs(load_config(config, [f"model.init_from_mcore={tmp_path / 'mc'}"]))
+    with pytest.raises(ValueError, match="init_from_hf and model.init_from_mcore are both set"):
+        load_config(config, [f"model.init_from_mcore={tmp_path / 'mc'}", f"model.init_from_hf={tmp_path}"])

@@ -36,3 +36,21 @@ def test_unseen_prompts_get_the_mean_and_ties_keep_order():
 def test_bad_policy():
     with pytest.raises(ValueError, match=r"placement policy 'random' is invalid; valid choices: \['round_robin', 'length'\]"):
         place([1], 1, "random")
+
+
+def test_length_history_state_round_trips_through_json():
+    """The history goes into the run checkpoint's state.json: after a JSON round trip it predicts,
+    and so places, exactly as before (seen and unseen prompts)."""
+    import json
+
+    from megarl.rl.placement import LengthHistory, place
+
+    h = LengthHistory()
+    for uid, lengths in [(3, [10, 13]), (7, [40]), (11, [1, 2, 2])]:
+        h.update(uid, lengths)
+    back = LengthHistory()
+    back.load_state_dict(json.loads(json.dumps(h.state_dict())))
+    assert back.last == h.last
+    uids = [3, 7, 11, 20, 21]
+    assert [back.predict(u) for u in uids] == [h.predict(u) for u in uids]
+    assert place(uids, 2, "length", back) == place(uids, 2, "length", h)

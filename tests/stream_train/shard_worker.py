@@ -1,8 +1,10 @@
 """Worker for test_sharding.py, run under torchrun on 4 processes with argv = (out_dir,).
 
-One launch covers every layout of ``LAYOUTS`` (TP2 x DP2, PP2 x DP2, TP2 x PP2): starting
+One launch covers every layout of ``LAYOUTS`` (TP2 x DP2, PP2 x DP2, TP2 x PP2, and PP2 with two
+virtual stages per rank, x DP2 and x TP2): starting
 processes and importing Megatron costs far more than the tiny models. For each layout and each
 of ``CASES`` every rank builds its GPTModel stage/TP piece in fp64, records its initial state,
+(each of its model chunks with virtual stages; pieces are kept by stage, ``ParallelDims.stage``)
 loads its shard of the seeded reference weights, runs the forward (``gpt_logits`` for PP=1, with
 the parameter gradients of a loss on the gathered logits; ``pipeline_logits`` for PP>1), then
 trains a ``Trainer`` of that layout for 2 GRPO steps (each DP rank on its rows) and saves it all
@@ -38,8 +40,10 @@ from megarl.stream_train.model import (
 
 # (model_type, tie): Qwen2 has a qkv bias, Llama none; tied embeddings need the last-stage copy.
 CASES = [("qwen2", False), ("llama", True)]
-LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
-LAYERS = 4  # PP=2: global layers 2, 3 become decoder.layers.0, 1 of the last stage
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]  # (tp, pp, vpp)
+# PP=2: global layers 2, 3 become decoder.layers.0, 1 of the last stage; PP=2 x VPP=2: 4 stages of
+# one layer, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3 (interleaved 1F1B)
+LAYERS = 4
 VOCAB = 200  # > 128: with TP=2 (padded to 256) both vocab pieces hold real rows, not just padding
 
 
@@ -106,23 +110,24 @@ def train_steps(trainer, args, dp_rank: int = 0, dp: int = 1) -> list:
     return out
 
 
-def run_layout(tp: int, pp: int) -> dict:
-    dims = init_parallel(tp=tp, pp=pp)
+def run_layout(tp: int, pp: int, vpp: int) -> dict:
+    dims = init_parallel(tp=tp, pp=pp, vpp=vpp)
     result = {"tp_rank": dims.tp_rank, "pp_rank": dims.pp_rank, "dp_rank": dims.dp_rank, "cases": {}}
     for model_type, tie in CASES:
         args = case_args(model_type, tie)
-        model = build_gpt_model(args, dims, torch.float64, seed=0)
-        init = no_extra(model.state_dict())
+        chunks = [build_gpt_model(args, dims, torch.float64, seed=0, chunk=c) for c in range(vpp)]
+        init = {dims.stage(c): no_extra(m.state_dict()) for c, m in enumerate(chunks)}
         full = mm.hf_to_mcore(reference(args, seed=3, dtype=torch.float64).hf_state_dict(), args)
-        load_state(model, ms.shard_rank(full, args, tp, pp, dims.tp_rank, dims.pp_rank))
+        for c, m in enumerate(chunks):
+            load_state(m, ms.shard_rank(full, args, tp, dims.stages, dims.tp_rank, dims.stage(c)))
         ids = case_inputs(args)
         with torch.no_grad():
-            logits = (gpt_logits(model, ids, dims, args.vocab_size) if pp == 1
-                      else pipeline_logits(model, ids, dims, args.vocab_size))
+            logits = (gpt_logits(chunks[0], ids, dims, args.vocab_size) if pp == 1
+                      else pipeline_logits(chunks, ids, dims, args.vocab_size))
         result["cases"][(model_type, tie)] = {
-            "init": init, "loaded": no_extra(model.state_dict()),
+            "init": init, "loaded": {dims.stage(c): no_extra(m.state_dict()) for c, m in enumerate(chunks)},
             "logits": None if logits is None else logits.detach().clone(),
-            "grads": grads_of_gathered(model, ids, dims, args) if pp == 1 else None,
+            "grads": grads_of_gathered(chunks[0], ids, dims, args) if pp == 1 else None,
         }
         trainer = Trainer(args, train_config(), dims, hf_state=reference(args, seed=3, dtype=torch.float64)
                           .hf_state_dict(), seed=0)

@@ -190,36 +190,47 @@ def full_states():
     return out
 
 
+def layout_id(lay) -> str:
+    tp, pp, vpp = lay
+    return f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp > 1 else "")
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"tp{lay[0]}pp{lay[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_megatron_state_dicts_are_the_shards(sharded_runs, full_states, layout):
-    tp, pp = layout
+    tp, pp, vpp = layout
+    stages = pp * vpp
     runs = sharded_runs[layout]
     assert sorted((r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in runs) == sorted(
         (t, p, d) for t in range(tp) for p in range(pp) for d in range(4 // (tp * pp)))
     for case in CASES:
         args, full = case_args(*case), full_states[case]
-        local = ms.shard(full, args, tp, pp)
+        local = ms.shard(full, args, tp, stages)
         for r in runs:
             got = r["cases"][case]
-            # The freshly built GPTModel holds exactly the shard's tensors and shapes.
-            rank = (r["tp_rank"], r["pp_rank"])
-            assert shapes(got["init"]) == shapes(local[rank]), (case, rank)
+            # Rank p's chunks are the stages p, p + pp, ... (Megatron's interleaved layout), and
+            # each freshly built chunk holds exactly that stage's shard: tensors and shapes.
+            assert sorted(got["init"]) == list(range(r["pp_rank"], stages, pp))
+            for s, sd in got["init"].items():
+                assert shapes(sd) == shapes(local[(r["tp_rank"], s)]), (case, r["tp_rank"], s)
         for d in range(4 // (tp * pp)):
-            pieces = {(r["tp_rank"], r["pp_rank"]): r["cases"][case] for r in runs if r["dp_rank"] == d}
+            runs_d = [r for r in runs if r["dp_rank"] == d]
+
+            def pieces(key):
+                return {(r["tp_rank"], s): sd for r in runs_d for s, sd in r["cases"][case][key].items()}
             # Loaded into Megatron and read back, the pieces merge to the full weights bitwise.
-            merged = ms.merge({k: v["loaded"] for k, v in pieces.items()}, args, tp, pp)
+            merged = ms.merge(pieces("loaded"), args, tp, stages)
             assert merged.keys() == full.keys() and all(torch.equal(merged[k], full[k]) for k in full)
             # At init Megatron's replicated norms agree over TP and, tied with PP > 1, its
             # last-stage embedding copy equals stage 0's (merge checks both bitwise).
-            init = ms.merge({k: v["init"] for k, v in pieces.items()}, args, tp, pp)
+            init = ms.merge(pieces("init"), args, tp, stages)
             if case[1] and pp > 1:
-                last = torch.cat([pieces[(t, pp - 1)]["init"]["output_layer.weight"] for t in range(tp)])
+                last = torch.cat([pieces("init")[(t, stages - 1)]["output_layer.weight"] for t in range(tp)])
                 assert torch.equal(last[:args.vocab_size], init["embedding.word_embeddings.weight"])
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"tp{lay[0]}pp{lay[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_sharded_logits_match_tp1(dims, sharded_runs, full_states, layout):
     pp = layout[1]
     for case in CASES:
@@ -251,7 +262,7 @@ def test_tp2_gradients_through_gathered_logits_match_tp1(dims, sharded_runs, ful
         want = {k: p.grad for k, p in model.named_parameters()}
         for d in range(2):
             pieces = {(r["tp_rank"], r["pp_rank"]): r["cases"][case]["grads"]
-                      for r in sharded_runs[(tp, pp)] if r["dp_rank"] == d}
+                      for r in sharded_runs[(tp, pp, 1)] if r["dp_rank"] == d}
             got = ms.merge(pieces, args, tp, pp)
             assert got.keys() == want.keys()
             for k, w in want.items():
@@ -271,9 +282,10 @@ def tp1_training(dims):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"tp{lay[0]}pp{lay[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_sharded_training_matches_tp1(sharded_runs, tp1_training, layout):
-    """Trainer steps through Megatron's schedules (1F1B for PP=2), vocab-parallel logprobs and
+    """Trainer steps through Megatron's schedules (1F1B for PP=2, interleaved 1F1B over the model
+    chunks with virtual stages), vocab-parallel logprobs and
     DP-summed gradients: on every rank the old logprobs, the loss and metrics, the grad norm and
     the weights after 2 GRPO steps equal the single-process run (fp64; issue bound 1e-6)."""
     for case in CASES:
