@@ -1,4 +1,4 @@
-"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``, ``report``.
+"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``, ``report``, ``simulate``.
 
 Bad input (config keys, missing files, malformed data) ends with one ``megarl: error: ...``
 line and exit status 2; no traceback, nothing written.
@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tail", action="store_true", help="also run megarl with tail batching (reported apart: it "
                                                          "trains other prompts per step, so no exact match)")
 
+    b = bench.add_parser("drafter", help="the learned drafter trained in bubbles: acceptance and forward reduction on "
+                                         "unseen prompts, exactness, step time with bubble-time training on vs off")
+    _add_config_args(b)
+    b.add_argument("--json", required=True, help="where to write the figures")
+    b.add_argument("--steps", type=int, default=12, help="RL steps of each of the two multi-process runs")
+    b.add_argument("--nproc", type=int, default=2, help="processes of each run (>= 2: bubbles need replicas)")
+    b.add_argument("--eval-prompts", type=int, default=32, help="unseen prompts (x group_size samples) to evaluate on")
+    b.add_argument("--from-hf", help="HF folder the runs start from (default: the config's SFT warm-up, run first)")
+    b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
+
     from megarl.checkpoint.convert import add_convert_parser
 
     add_convert_parser(sub)
@@ -68,12 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
+    from megarl.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
+
     p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
     p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text, repeatable")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter", help="learned drafter folder (RUN_DIR/hf/drafter): speculative decoding with it "
+                                     "(same tokens, fewer target forwards; figures on stderr)")
+    p.add_argument("--draft-k", type=int, default=4, help="draft length of the drafter's chain (with --drafter)")
     return parser
 
 
@@ -87,14 +104,28 @@ def _generate(args) -> None:
     model = load_hf_model(args.model, torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
     eos = model.args.eos_token_id
+    spec = None
+    if args.drafter:
+        from megarl.spec.config import DrafterConfig, SpecConfig
+        from megarl.spec.speculator import Speculator
+
+        if args.draft_k < 1:
+            raise ValueError(f"--draft-k={args.draft_k} is invalid; valid range: >= 1")
+        spec = Speculator(SpecConfig(enabled=True, sources=(), forward_cost_tokens=0, drafter=DrafterConfig(
+            enabled=True, init_from=args.drafter, strategy="drafter", k=args.draft_k)))
     engine = Engine(model, EngineConfig(max_batch_size=len(args.prompt), max_seq_len=model.args.max_position_embeddings,
-                                        dtype="float32", device="cpu"), seed=args.seed)
+                                        dtype="float32", device="cpu"), seed=args.seed, spec=spec)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             stop_token_ids=(eos,) if eos is not None else ())
     reqs = [Request(uid=i, sample_idx=0, prompt_ids=tok.encode(p, add_special_tokens=False), params=params)
             for i, p in enumerate(args.prompt)]
-    for prompt, res in zip(args.prompt, engine.generate(reqs, step=0)):
+    results = engine.generate(reqs, step=0)
+    for prompt, res in zip(args.prompt, results):
         print(f"{prompt}{tok.decode(res.tokens, skip_special_tokens=True)}")
+    if spec is not None:
+        m, n = spec.metrics(), sum(len(r.tokens) for r in results)
+        print(f"drafter: {n} tokens in {sum(r.n_forwards for r in results)} target forwards, "
+              f"{m.get('spec/accept_len_mean', 0.0):.2f} tokens per drafted forward", file=sys.stderr)
 
 
 def _bench(args, cfg) -> int:
@@ -109,6 +140,13 @@ def _bench(args, cfg) -> int:
             if name in report:
                 report[name] = {k: v for k, v in report[name].items() if k != "steps"}
         print(json.dumps(report, indent=2))
+        return 0
+    if args.bench == "drafter":
+        from megarl.bench.drafter import bench_drafter
+
+        report = bench_drafter(args.config, cfg, args.json, args.overrides, steps=args.steps, nproc=args.nproc,
+                               eval_prompts=args.eval_prompts, from_hf=args.from_hf, work_dir=args.work_dir)
+        print(json.dumps({k: v for k, v in report.items() if k not in ("variants", "drafter")}, indent=2))
         return 0
     from megarl.bench.rollout import bench_rollout
 
@@ -143,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             from megarl.report import run_report
 
             return run_report(args)
+        if args.command == "simulate":
+            from megarl.sim.cli import run_simulate
+
+            return run_simulate(args)
         if args.command == "convert":
             from megarl.checkpoint.convert import run_convert
 
@@ -154,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench" and args.steps < 1:
             raise ValueError(f"--steps={args.steps} is invalid; valid range: >= 1")
+        if args.command == "bench" and args.bench == "drafter" and (args.nproc < 2 or args.eval_prompts < 1):
+            raise ValueError(f"--nproc={args.nproc} (valid: >= 2) / --eval-prompts={args.eval_prompts} (valid: >= 1)")
         if args.command == "bench" and args.bench == "schedule" and args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} is invalid; valid range: >= 1")
         from megarl.setup_run import prepare_inputs

@@ -39,7 +39,8 @@ log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
-             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s")
+             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s",
+             "drafter_train_steps", "drafter_loss")
 
 
 class RunDirError(ValueError):
@@ -159,6 +160,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             # bubble drafts made after the rollout, with the weights that sampled this step.
             with tl.phase("bubble"):
                 tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1)
+        drafter_metrics = sched.drafter_after_rollout(engine, tl, groups_dp=rollout.dp_group)
         rollout.share_drafts(step)
         t_bubble = time.perf_counter()
         with tl.phase("train"):
@@ -167,7 +169,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         with tl.phase("sync"):
             metrics.update(weight_sync())
         records = gather_records(tl.record())
-        metrics.update(step=step + 1, **rollout_metrics, rollout_time_s=t1 - t0, bubble_time_s=t_bubble - t1,
+        metrics.update(step=step + 1, **rollout_metrics, **drafter_metrics, rollout_time_s=t1 - t0,
+                       bubble_time_s=t_bubble - t1,
                        train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0,
                        bubble_frac=bubble_fraction(records), bubble_tokens=replica_sum(records, "bubble_tokens"),
                        bubble_groups=replica_sum(records, "bubble_groups"))
@@ -196,6 +199,10 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
     if rank0:
         log.info("exported HF checkpoint to %s", run_dir / "hf")
+        if sched.drafter is not None and engine.spec.drafter.model is not None:  # identical on every replica
+            from megarl.spec.drafter import save_drafter
+
+            save_drafter(engine.spec.drafter.model, run_dir / "hf" / "drafter")
     return history
 
 
@@ -210,13 +217,37 @@ class _Schedule:
         pregen = cfg.spec.enabled and cfg.spec.bubble_pregen
         self.defer_stream = cfg.stream_train and "stream_train" in work
         self.pregen_in_bubble = pregen and "pregen" in work
-        self.order = [w for w in work if {"stream_train": self.defer_stream, "pregen": self.pregen_in_bubble}[w]]
+        # The learned drafter (spec.drafter) trains in bubbles, or else a fixed number of steps after the rollout.
+        self.drafter = cfg.spec.drafter if cfg.spec.enabled and cfg.spec.drafter.enabled else None
+        self.drafter_in_bubble = self.drafter is not None and "drafter_train" in work
+        self.order = [w for w in work if {"stream_train": self.defer_stream, "pregen": self.pregen_in_bubble,
+                                          "drafter_train": self.drafter_in_bubble}[w]]
         self.pregen_after = pregen and not self.pregen_in_bubble
         self.low_priority = cfg.schedule.bubble_priority == "idle" and cfg.rollout.device == "cpu"
+        self._drafter_steps = 0  # drafter training steps taken so far (a step's figure is the difference)
+
+    def drafter_after_rollout(self, engine: Engine, tl: StepTimeline, groups_dp) -> dict:
+        """After the rollout phase (bubble work joined): the drafter's training steps when there was
+        no bubble to take them in, then the same drafter weights on every rollout replica (their mean
+        over the rollout data-parallel group). Figures for metrics.jsonl."""
+        if self.drafter is None:
+            return {}
+        from megarl.spec.drafter_train import average_drafter
+
+        source = engine.spec.drafter
+        if source.trainer is None:  # attached at the first generate call
+            return {}
+        if not self.drafter_in_bubble and self.drafter.steps_after_rollout:
+            with tl.phase("bubble"):
+                source.trainer.train(max_steps=self.drafter.steps_after_rollout)
+        average_drafter(source.model, groups_dp)
+        steps, self._drafter_steps = source.trainer.steps - self._drafter_steps, source.trainer.steps
+        return {"drafter_train_steps": steps, "drafter_loss": source.trainer.last_loss or 0.0,
+                "drafter_buffer_tokens": source.buffer.tokens}
 
     def bubble_fn(self, rollout: RolloutStage, stream: StreamUpdate | None, tl: StepTimeline,
                   next_uids: list[int] | None, step: int):
-        if not self.defer_stream and not (self.pregen_in_bubble and next_uids is not None):
+        if not (self.defer_stream or (self.pregen_in_bubble and next_uids is not None) or self.drafter_in_bubble):
             return None
 
         def work(stop) -> dict:
@@ -226,6 +257,10 @@ class _Schedule:
                 if what == "stream_train":
                     with tl.phase("train"):
                         tl.bubble_groups = stream.drain(stop)
+                elif what == "drafter_train":
+                    if rollout.engine.spec.drafter.trainer is not None:
+                        with tl.phase("bubble"):
+                            rollout.engine.spec.drafter.trainer.train(stop, max_steps=self.drafter.steps_per_bubble)
                 elif next_uids is not None:
                     with tl.phase("bubble"):
                         tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=stop)

@@ -173,6 +173,9 @@ class Engine:
         n_kv = model.local_args.num_key_value_heads if tp else a.num_key_value_heads  # this rank's KV heads
         self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                              n_kv, a.head_dim, self.dtype, self.device)
+        # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
+        # False keeps the forward path exactly the plain one.
+        self._hidden_hook = False
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -230,6 +233,9 @@ class Engine:
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(seqs), desc=f"rollout step {step}", unit="req")
+        self._hidden_hook = self.spec is not None and getattr(self.spec, "needs_hidden", False)
+        if self._hidden_hook:
+            self.spec.attach(self)
         if self.spec is not None:
             self.spec.begin(requests, step)
         with torch.inference_mode():
@@ -241,6 +247,8 @@ class Engine:
                 batch = self.schedule(running)
                 out = self.run(batch, step)
                 n_done = self.postprocess(batch, out, running)
+                if self._hidden_hook:
+                    self.spec.step_end()
                 if bar is not None:
                     bar.update(n_done)
                 if n_done and on_finish is not None:
@@ -289,7 +297,9 @@ class Engine:
             return
         attn, positions = self.cache.batch([seqs[0].slot for _, seqs in fills], [len(p) for p, _ in fills])
         ids = torch.tensor([[t for p, _ in fills for t in p]], dtype=torch.int64).to(self.device)
-        self.model.hidden_states(ids, positions, attn)  # only its k/v writes are needed
+        hidden = self.model.hidden_states(ids, positions, attn)  # its k/v writes are what is needed
+        if self._hidden_hook:  # ... and, for a learned drafter, the prompts' hidden states
+            self.spec.on_prefill([[s.req for s in seqs] for _, seqs in fills], hidden[0])
         self.stats["forwards"] += 1
         for p, seqs in fills:
             self.cache.share_prefix(seqs[0].slot, [s.slot for s in seqs[1:]], len(p))
@@ -336,8 +346,10 @@ class Engine:
             per_req([len(s.tokens) for s in batch.seqs], torch.int64), self.seed, step)
         logprobs, entropies = token_stats(logits, temp.repeat_interleave(torch.tensor(n_rows, device=dev)), tokens)
         self.stats["forwards"] += 1
-        tokens, logprobs, entropies = tokens.tolist(), logprobs.tolist(), entropies.tolist()
         out = _Verified([], [], [], n_accept.tolist())
+        if self._hidden_hook:  # the accepted rows' hidden states, for a learned drafter
+            self.spec.on_verify(reqs, h, tokens, n_rows, out.n_accept, [len(s.tokens) for s in batch.seqs])
+        tokens, logprobs, entropies = tokens.tolist(), logprobs.tolist(), entropies.tolist()
         for b, lo in enumerate(row_start[:-1].tolist()):
             hi = lo + out.n_accept[b] + 1
             out.tokens.append(tokens[lo:hi])

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-BUBBLE_WORK = ("stream_train", "pregen")
+BUBBLE_WORK = ("stream_train", "pregen", "drafter_train")
 
 
 @dataclass
@@ -41,8 +41,10 @@ class ScheduleConfig:
     step's last replica is done: ``stream_train`` trains the replica's finished groups (with
     ``stream_train: true``; without it in the list they are trained as they finish, in between
     decode steps), ``pregen`` pre-generates the next step's responses as bubble drafts (with
-    ``spec.bubble_pregen``; without it in the list they are generated after the rollout phase).
-    Neither changes a sample or an update."""
+    ``spec.bubble_pregen``; without it in the list they are generated after the rollout phase),
+    ``drafter_train`` trains the learned drafter on recent rollouts' hidden states (with
+    ``spec.drafter.enabled``; without it in the list it takes ``spec.drafter.steps_after_rollout``
+    steps after the rollout phase). None of them changes a sample or an update."""
     bubble_priority: Literal["idle", "normal"] = "idle"
     """``idle``: on CPU, bubble work runs at the OS's idle priority, so that on shared cores it
     never slows a replica that is still generating; ``normal``: same priority as generation."""

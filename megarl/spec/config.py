@@ -1,9 +1,82 @@
 """Settings of speculative rollouts (the ``spec`` section of a run config)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SOURCES = ("bubble", "history", "group", "prompt")
+# What the speculator proposes with a learned drafter configured (spec.drafter.strategy);
+# ``bandit`` chooses among the fixed ones online (megarl/spec/bandit.py).
+STRATEGIES = ("combined", "drafter", "sources", "bandit")
+
+
+@dataclass
+class DrafterConfig:
+    """The learned EAGLE-style drafter (issue 7, TLT; megarl/spec/drafter.py): one decoder layer
+    over the target's last hidden states and the token embeddings, using the target's (frozen)
+    embedding and LM head. Its draft tokens are sampled with the request's own counter-based
+    noise (coupled drafts), and verification is unchanged: output stays token-identical."""
+
+    enabled: bool = False
+    """Build the drafter: the engine then also keeps the target's hidden states of running and
+    recent requests (off: the engine's forward path is the plain one)."""
+    k: int = 4
+    """Draft length of the drafter's chain (strategies ``combined`` and ``drafter``)."""
+    window: int = 8
+    """Target positions (hidden state + token) the drafter attends to before its chain."""
+    strategy: str = "combined"
+    """``combined``: the draft sources and the drafter, per request the proposal with the longer
+    expected accepted run; ``drafter``: the drafter only; ``sources``: the draft sources only (the
+    drafter is still trained); ``bandit``: per batch-size bucket an online bandit picks one of
+    off / sources / drafter K=2,4,8 / combined from measured tokens per second."""
+    buffer_tokens: int = 65536
+    """Most target hidden states (one per token) kept from recent rollouts for training; the
+    oldest responses are dropped first."""
+    lr: float = 3e-3
+    """Adam learning rate of drafter training (bubbles are short: measured on the tiny task after SFT,
+    3e-3 reaches a given acceptance in about half the steps of 1e-3; 1e-2 is worse again)."""
+    batch_size: int = 16
+    """Segments per training step."""
+    seq_len: int = 32
+    """Tokens per training segment."""
+    train_depth: int = 2
+    """Chain steps unrolled in training: depth d feeds the drafter its own predicted features of
+    depth d-1, as drafting does after its first token."""
+    ce_weight: float = 1.0
+    """Weight of the cross-entropy to the target's next-token distribution (soft labels)."""
+    feature_weight: float = 1.0
+    """Weight of the smooth-L1 regression onto the target's next hidden state."""
+    steps_per_bubble: int = 0
+    """Most training steps in one bubble (0: until the bubble ends)."""
+    steps_after_rollout: int = 20
+    """Training steps after each rollout phase when there is no bubble to train in (one rollout
+    replica, or ``drafter_train`` not in ``schedule.bubble_work``): these cost step time."""
+    init_from: str | None = None
+    """A drafter folder (``RUN_DIR/hf/drafter``) to start from instead of a fresh init."""
+    bandit_c: float = 0.2
+    """UCB1 exploration weight of the ``bandit`` strategy (rewards scaled to [0, 1] per bucket)."""
+    bandit_discount: float = 0.99
+    """Per-update discount of a bucket's past rewards (the best arm changes as the drafter trains)."""
+    seed: int = 0
+    """Seed of the drafter's init, its training batches and the bandit's tie-breaking."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"spec.drafter.strategy={self.strategy!r} is invalid; valid choices: {list(STRATEGIES)}")
+        for name in ("k", "window", "buffer_tokens", "batch_size", "seq_len", "train_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"spec.drafter.{name}={getattr(self, name)} is invalid; valid range: >= 1")
+        if self.seq_len < 2:
+            raise ValueError(f"spec.drafter.seq_len={self.seq_len} is invalid; valid range: >= 2")
+        for name in ("steps_per_bubble", "steps_after_rollout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"spec.drafter.{name}={getattr(self, name)} is invalid; valid range: >= 0")
+        weights_ok = self.ce_weight >= 0 and self.feature_weight >= 0 and self.ce_weight + self.feature_weight > 0
+        if not self.lr > 0 or not weights_ok:
+            raise ValueError(f"spec.drafter: lr={self.lr} must be > 0 and ce_weight={self.ce_weight}, "
+                             f"feature_weight={self.feature_weight} >= 0, not both 0")
+        if self.bandit_c < 0 or not 0 < self.bandit_discount <= 1:
+            raise ValueError(f"spec.drafter: bandit_c={self.bandit_c} (valid: >= 0), bandit_discount="
+                             f"{self.bandit_discount} (valid: (0, 1])")
 
 
 @dataclass
@@ -61,6 +134,9 @@ class SpecConfig:
     """After each step's rollout, pre-generate the next step's responses with the current weights
     and the next step's noise, as bubble drafts. On a cluster ranks do this in their idle time
     (the scheduler decides when); in a one-process run it costs a full extra rollout."""
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """The learned drafter (off by default), trained on rollout hidden states in bubble time
+    (``schedule.bubble_work``: ``drafter_train``), and the adaptive strategy."""
 
     def __post_init__(self) -> None:
         self.sources = tuple(self.sources)
@@ -86,5 +162,8 @@ class SpecConfig:
                              f"{self.history_epochs} (valid: >= 1)")
         if self.suffix_max_depth < 2:
             raise ValueError(f"spec.suffix_max_depth={self.suffix_max_depth} is invalid; valid range: >= 2")
+        if self.drafter.enabled and not self.enabled:
+            raise ValueError("spec.drafter.enabled=true needs spec.enabled=true (the drafter drafts for the "
+                             "speculative engine)")
         if self.suffix_backend not in ("auto", "native", "python"):
             raise ValueError(f"spec.suffix_backend={self.suffix_backend!r} is invalid; valid: auto, native, python")

@@ -15,10 +15,17 @@ draft at all.
 - Hard limits on top: speculation is off above ``spec.max_batch`` running requests, and
   ``spec.max_draft_tokens`` caps the draft tokens of one forward.
 All of it runs on the host; nothing here can change a sampled token.
+
+With a learned drafter (``spec.drafter.enabled``, megarl/spec/drafter.py) proposals go through
+``_propose_drafter`` instead: the strategy (fixed, or per batch-size bucket by the bandit of
+megarl/spec/bandit.py) says whether sources and/or the drafter propose, and per request the
+proposal with the longer expected accepted run wins. The drafter's tokens are coupled samples
+(the request's own noise) and are verified like any draft.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 
 from megarl.spec.config import SpecConfig
@@ -28,6 +35,9 @@ STAT_KEYS = ("forwards", "drafted", "accepted", "tokens")
 # Prior of the per-token acceptance rate, as (accepted, rejected) pseudo-counts: coupled drafts
 # are the request's own tokens until the policy moved; suffix-match drafts are guesses.
 _PRIOR = {True: (9.0, 1.0), False: (1.0, 1.0)}
+# The drafter's prior: coupled, but an untrained drafter agrees with the target only by chance.
+_DRAFTER_PRIOR = (1.0, 1.0)
+_FIXED_ARM = {"combined": "combined", "sources": "sources"}  # strategy "drafter" -> "drafter<k>"
 
 
 class Speculator:
@@ -38,6 +48,17 @@ class Speculator:
         self._pending: dict[tuple[int, int], tuple[str, bool]] = {}  # request -> (source, coupled) of its draft in flight
         # Per-token acceptance counts per draft kind (source, coupled): [accepted, rejected].
         self._accept: dict[tuple[str, bool], list[float]] = {}
+        self.drafter = self.bandit = None
+        d = cfg.drafter
+        if d.enabled:
+            from megarl.spec.bandit import StrategyBandit
+            from megarl.spec.drafter_source import DrafterSource
+
+            self.drafter = DrafterSource(cfg)
+            if d.strategy == "bandit":
+                self.bandit = StrategyBandit(c=d.bandit_c, discount=d.bandit_discount, seed=d.seed)
+        self._arm: tuple[str, int] | None = None  # (arm, rows) of the step in flight (bandit reward)
+        self._step_tokens, self._t_propose = 0, 0.0
         self.reset_stats()
 
     def source(self, name: str) -> DraftSource | None:
@@ -52,6 +73,8 @@ class Speculator:
         tokens those forwards produced (accepted drafts plus the target's own token, unless a stop
         token or a length limit came first)."""
         self.stats: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(STAT_KEYS, 0))
+        if self.bandit is not None:
+            self.bandit.reset_metrics()
 
     # ------------------------------------------------------------------ engine hooks
     def begin(self, requests, step: int) -> None:
@@ -61,10 +84,14 @@ class Speculator:
             counts[1] *= 0.5
         for s in self.sources:
             s.begin(requests, step)
+        if self.drafter is not None:
+            self.drafter.begin(requests, step)
 
     def propose(self, reqs, tokens: list[list[int]], room: list[int], n_rows: int) -> list[list[int]]:
         """Draft tokens for each request of a forward with ``n_rows`` requests (``room[b]``: most
         tokens request b can still take after the one its verify forward always produces)."""
+        if self.drafter is not None:
+            return self._propose_drafter(reqs, tokens, room, n_rows)
         if n_rows > self.cfg.max_batch:
             return [[] for _ in reqs]
         cap = self.cfg.max_draft_tokens // n_rows if self.cfg.max_draft_tokens else self.cfg.k_max
@@ -87,7 +114,7 @@ class Speculator:
     def accept_rate(self, source: str, coupled: bool) -> float:
         """Running per-token acceptance rate of drafts of one kind (prior until measured)."""
         acc, rej = self._accept.get((source, coupled), (0.0, 0.0))
-        pa, pr = _PRIOR[coupled]
+        pa, pr = _DRAFTER_PRIOR if source == "drafter" else _PRIOR[coupled]
         return (acc + pa) / (acc + rej + pa + pr)
 
     def _worth(self, p: Proposal, log_thr: float) -> int:
@@ -102,6 +129,7 @@ class Speculator:
         """After a verify forward: ``new_tokens`` were appended to ``req``'s response; the target
         agreed with the first ``n_accepted`` of the ``n_drafted`` draft tokens."""
         key = (req.uid, req.sample_idx)
+        self._step_tokens += len(new_tokens)
         if n_drafted:
             kind = self._pending.pop(key)
             counts = self._accept.setdefault(kind, [0.0, 0.0])
@@ -123,6 +151,80 @@ class Speculator:
     def end(self, results, step: int, purpose: str) -> None:
         for s in self.sources:
             s.end(results, step, purpose)
+        if self.drafter is not None:
+            self.drafter.end(results, step, purpose)
+
+    # ------------------------------------------------------------------ learned drafter
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether the engine must hand over the target's hidden states (a drafter is configured)."""
+        return self.drafter is not None
+
+    def attach(self, engine) -> None:
+        self.drafter.attach(engine)
+
+    def on_prefill(self, groups, hidden) -> None:
+        self.drafter.on_prefill(groups, hidden)
+
+    def on_verify(self, reqs, hidden, tokens, n_rows, n_accept, n_before) -> None:
+        self.drafter.on_verify(reqs, hidden, tokens, n_rows, n_accept, n_before)
+
+    def step_end(self) -> None:
+        """After the engine's postprocess: the step's reward for the bandit (tokens per second
+        from proposing to now)."""
+        if self.bandit is not None and self._arm is not None:
+            arm, n_rows = self._arm
+            dt = max(time.perf_counter() - self._t_propose, 1e-9)
+            self.bandit.update(n_rows, arm, self._step_tokens / dt)
+        self._arm = None
+
+    def _arm_for(self, n_rows: int) -> str:
+        d = self.cfg.drafter
+        if self.bandit is not None:
+            return self.bandit.choose(n_rows)
+        return _FIXED_ARM.get(d.strategy, f"drafter{d.k}")
+
+    def _propose_drafter(self, reqs, tokens, room, n_rows) -> list[list[int]]:
+        from megarl.spec.bandit import arm_plan
+
+        self._t_propose, self._step_tokens = time.perf_counter(), 0
+        arm = self._arm_for(n_rows)
+        self._arm = (arm, n_rows)
+        use_sources, dk = arm_plan(arm, self.cfg.drafter.k)
+        if n_rows > self.cfg.max_batch or (not use_sources and dk == 0):
+            return [[] for _ in reqs]
+        cap = self.cfg.max_draft_tokens // n_rows if self.cfg.max_draft_tokens else self.cfg.k_max
+        a = self.cfg.forward_cost_tokens
+        log_thr = math.log(n_rows / (n_rows + a)) if a > 0 else None
+        best: list[Proposal | None] = [None] * len(reqs)
+        if use_sources:
+            for b, (req, toks, r) in enumerate(zip(reqs, tokens, room)):
+                k = min(self._k.setdefault((req.uid, req.sample_idx), self.cfg.k_init), r, cap)
+                p = self._best(req, toks, k) if k > 0 else None
+                if p is not None and log_thr is not None:
+                    p.tokens = p.tokens[:self._worth(p, log_thr)]
+                best[b] = p if p is not None and p.tokens else None
+        dk = min(dk, cap)
+        d_rate = self.accept_rate("drafter", True)
+        if log_thr is not None and dk > 0 and d_rate < 1.0:  # the cost rule, before drafting (same for every row)
+            dk = min(dk, int(log_thr / math.log(d_rate)) if d_rate > 0 else 0)
+        need = [b for b in range(len(reqs)) if room[b] > 0 and not (best[b] is not None and best[b].coupled)]
+        if dk > 0 and need:
+            chains = self.drafter.draft([reqs[b] for b in need], [tokens[b] for b in need], dk)
+            for b, chain in zip(need, chains):
+                mine = Proposal(chain[:min(dk, room[b])], "drafter", 0, coupled=True)
+                if best[b] is None or _expected(mine.tokens, d_rate) > _expected(
+                        best[b].tokens, self.accept_rate(best[b].source, best[b].coupled)):
+                    best[b] = mine
+        drafts = []
+        for req, p in zip(reqs, best):
+            if p is None or not p.tokens:
+                drafts.append([])
+                continue
+            self._pending[(req.uid, req.sample_idx)] = (p.source, p.coupled)
+            self._k.setdefault((req.uid, req.sample_idx), self.cfg.k_init)
+            drafts.append(p.tokens)
+        return drafts
 
     # ------------------------------------------------------------------ helpers
     def _best(self, req, tokens: list[int], k: int) -> Proposal | None:
@@ -149,7 +251,14 @@ class Speculator:
         for (name, coupled), _ in sorted(self._accept.items()):
             out[f"spec/{name}/{'coupled_' if coupled else ''}accept_rate"] = self.accept_rate(name, coupled)
         out["drafted_tokens"], out["accepted_tokens"] = tot["drafted"], tot["accepted"]
+        if self.bandit is not None:
+            out.update(self.bandit.metrics())
         return out
+
+
+def _expected(tokens: list[int], rate: float) -> float:
+    """Expected accepted tokens of a draft whose tokens are each accepted with ``rate``, in order."""
+    return sum(rate ** j for j in range(1, len(tokens) + 1))
 
 
 def _figures(st: dict[str, int], prefix: str) -> dict[str, float]:

@@ -54,8 +54,12 @@ def submit_train(slurm, run_dir: Path) -> int:
 
 
 def batch_log(run_dir: Path) -> str:
+    """The batch script's log, then the tail of every rank's log (a failure message names the cause)."""
     p = Path(f"{run_dir}.out")
-    return p.read_text() if p.exists() else "(no batch log)"
+    out = p.read_text() if p.exists() else "(no batch log)"
+    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
+        out += f"\n--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-15:])
+    return out
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -1,0 +1,380 @@
+"""Calibrate the simulator's ``cpu`` profile on this machine (megarl/sim/hardware.py LinearProfile).
+
+    .venv/bin/python benchmarks/calibrate_sim.py [--config configs/tiny.yaml] [--from-hf SFT_HF_DIR]
+        [--out megarl/sim/profiles/cpu.json]
+
+What it times, all with ONE torch thread (torchrun gives each worker one, and that is how
+``megarl bench schedule`` runs), best of ``--repeat`` to keep other load out of the figures:
+
+1. **Engine decode** (megarl/engine/engine.py): ``generate`` of B requests that never stop
+   (no stop token) for L tokens, over a grid of B and L; groups of 8 share a prompt, as in GRPO.
+   Each run is L engine iterations of B rows with context B*(p+i) at iteration i, plus one
+   prompt-caching forward. Least squares fits ``a + b * rows + c * ctx`` per iteration
+   (``decode_a, decode_b, decode_c``); the prefill line comes from timing prompt caching alone.
+2. **Trainer** (megarl/stream_train/trainer.py, Megatron-core on gloo, one process): old-logprob
+   forward (``masked_logprobs``) and forward/backward (``accumulate``) of synthetic batches of
+   several row counts and widths, fitted per micro-batch as ``a + b * padded tokens + c * padded
+   tokens * width`` (attention is quadratic in the width); the
+   optimizer step (``finish_step``) and a weight sync into the engine timed as they are.
+With ``--from-hf`` (a trained policy: its responses stop at realistic lengths), ``--real-steps``
+real RL steps are timed too: the run's own rollout stage (reward pool, stop tokens, slot
+compaction), the plain GRPO update and stream training of those groups. The synthetic grids give
+the shape of each fit (a vs b vs c); the real steps give one scale on it (the median of measured
+over predicted, the prediction being the simulator's own for the lengths they produced): alone
+they cannot separate a from b, since every real step has about the same batch profile. Without
+them the synthetic grid under-predicts real rollouts by ~15-25% (requests finishing at different
+times cost host work the grid does not have).
+
+3. **Contention**: the same decode loop in 1 and in 2 processes at once (2 cores): the ratio is
+   ``slowdown["2"]`` (two processes computing side by side are slower than one alone: shared
+   caches and memory bandwidth). 4 processes at once are also timed, as a check of the
+   processor-sharing rule (megarl/sim/share.py predicts 2x slowdown["2"]); it is reported in
+   ``meta``, not fitted.
+
+The machine's load average before and after goes into ``meta``: other work on the cores
+inflates every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _setup(config: str, from_hf: str | None = None):
+    import torch
+
+    torch.set_num_threads(1)
+    from megarl.config import load_config
+    from megarl.setup_run import prepare_inputs
+
+    cfg = load_config(config, ["sft.steps=0"] + ([f"model.init_from_hf={from_hf}"] if from_hf else []))
+    return cfg, prepare_inputs(cfg)
+
+
+def _engine(cfg, inputs, batch: int):
+    """The run's engine shape: ``rollout.max_batch_size`` slots whatever the batch (the slot
+    cache's size changes the cost of attention: 18% at 64 requests in 256 vs 64 slots)."""
+    from megarl.engine import Engine, EngineConfig
+    from megarl.models.llama import CausalLM
+
+    model = CausalLM(inputs.args)
+    return Engine(model, EngineConfig(max_batch_size=max(batch, cfg.rollout.max_batch_size), max_seq_len=inputs.args.max_position_embeddings,
+                                      dtype=cfg.rollout.dtype, device="cpu"), seed=0)
+
+
+def _requests(batch: int, length: int, prompt_len: int, vocab: int, group: int = 8):
+    from megarl.engine import Request, SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=length, stop_token_ids=())
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, vocab, prompt_len)) for _ in range((batch + group - 1) // group)]
+    return [Request(uid=i // group, sample_idx=i % group, prompt_ids=[int(t) for t in prompts[i // group]],
+                    params=params) for i in range(batch)]
+
+
+def time_decode(cfg, inputs, batch: int, length: int, prompt_len: int, repeat: int) -> float:
+    eng = _engine(cfg, inputs, batch)
+    reqs = _requests(batch, length, prompt_len, inputs.args.vocab_size)
+    eng.generate(reqs[: min(batch, 8)], step=0)  # warm-up
+    best = np.inf
+    for r in range(repeat):
+        t0 = time.perf_counter()
+        eng.generate(reqs, step=r + 1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_prefill(cfg, inputs, batch: int, prompt_len: int, repeat: int) -> float:
+    """One engine iteration of 1 token after caching the prompts, minus nothing: measured as
+    generate(max_new_tokens=1), i.e. prefill + one decode row per request."""
+    eng = _engine(cfg, inputs, batch)
+    reqs = _requests(batch, 1, prompt_len, inputs.args.vocab_size)
+    eng.generate(reqs, step=0)
+    best = np.inf
+    for r in range(repeat):
+        t0 = time.perf_counter()
+        eng.generate(reqs, step=r + 1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def real_rollouts(cfg, inputs, steps: int) -> list[dict]:
+    """The run's own rollout stage (megarl/rl/rollout.py: engine, reward pool, stop tokens, slot
+    compaction) on the task's first ``steps`` steps, timed: what the synthetic grid leaves out
+    (requests finishing at different times) is in these."""
+    from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
+
+    eng = _engine(cfg, inputs, cfg.rollout.max_batch_size)
+    if inputs.init_from_hf:
+        from megarl.models.hf_io import load_hf_model
+
+        eng.load_weights(dict(load_hf_model(inputs.init_from_hf, eng.dtype).state_dict()))
+    stage = RolloutStage(eng, inputs, cfg)
+    out = []
+    try:
+        stage.run(prompt_uids_for_step(steps, cfg, len(inputs.problems))[:4], steps)  # warm-up
+        for step in range(steps):
+            uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+            t0 = time.perf_counter()
+            groups = stage.run(uids, step)
+            sec = time.perf_counter() - t0
+            lens = np.array([[len(r.tokens) for r in g.results] for g in groups])
+            plen = np.array([len(g.results[0].prompt_ids) for g in groups])
+            out.append({"lens": lens, "prompt": plen, "seconds": sec, "groups": groups})
+            print(f"real rollout step {step}: {lens.size} responses, max {lens.max()}, {sec:.3f}s", flush=True)
+    finally:
+        stage.close()
+    return out
+
+
+def _basis(lens, prompt, group: int, max_batch: int, **coef) -> float:
+    """Simulated time of one rollout with a profile whose only nonzero figure is ``coef``: the
+    design-matrix column of that figure (the event sequence does not depend on the costs)."""
+    from megarl.sim.hardware import LinearProfile
+    from megarl.sim.rollout import run_rollout
+
+    base = {"decode_a": 0.0, "decode_b": 0.0, "decode_c": 0.0, "prefill_a": 0.0, "prefill_b": 0.0}
+    prof = LinearProfile(**{**base, **coef})
+    return float(run_rollout(lens.reshape(1, -1), np.repeat(prompt, group)[None], prof, group=group,
+                             max_batch=max_batch).end[0])
+
+
+def fit_decode(cfg, inputs, repeat: int, prefill: tuple[float, float], real: list[dict]) -> tuple[dict, dict]:
+    p = 12
+    grid = [(b, n) for b in (1, 8, 32, 64, 128, 256) for n in (24, 96)]
+    X, y, rows = [], [], []
+    for b, n in grid:
+        t = time_decode(cfg, inputs, b, n, p, repeat)
+        pre = prefill[0] + prefill[1] * (b // 8 or 1) * (p - 1)
+        ctx = b * (n * p + n * (n - 1) / 2)
+        X.append([n, b * n, ctx])
+        y.append(t - pre)
+        rows.append({"batch": b, "tokens": n, "seconds": round(t, 5)})
+        print(f"decode B={b:<4} L={n:<4} {t:.4f}s ({t / n * 1e3:.3f} ms/iteration)", flush=True)
+    G, mb = cfg.rollout.group_size, cfg.rollout.max_batch_size
+    for r in real:
+        pre = _basis(r["lens"], r["prompt"], G, mb, prefill_a=prefill[0], prefill_b=prefill[1])
+        X.append([_basis(r["lens"], r["prompt"], G, mb, decode_a=1.0), _basis(r["lens"], r["prompt"], G, mb, decode_b=1.0),
+                  _basis(r["lens"], r["prompt"], G, mb, decode_c=1.0)])
+        y.append(r["seconds"] - pre)
+    X, y = np.asarray(X, dtype=np.float64), np.asarray(y)
+    n = len(grid)
+    # Relative least squares on the grid (small runs count as much as big ones) gives the shape;
+    # real rollouts, when there are any, give one scale on it (alone they cannot tell a from b:
+    # every real step has about the same batch profile).
+    w = 1.0 / y[:n]
+    coef = _nnls(X[:n] * w[:, None], y[:n] * w)
+    if real:
+        coef = coef * float(np.median(y[n:] / (X[n:] @ coef)))
+    pred = X @ coef
+    err = float(np.max(np.abs(pred - y) / y))
+    real_err = [round(float(e), 4) for e in ((pred - y) / y)[-len(real):]] if real else []
+    rows.append({"real_rollout_rel_err": real_err})
+    return ({"decode_a": float(coef[0]), "decode_b": float(coef[1]), "decode_c": float(coef[2])},
+            {"decode_grid": rows, "decode_fit_max_rel_err": round(err, 4)})
+
+
+def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set: drop a negative one, refit)."""
+    keep = np.ones(A.shape[1], dtype=bool)
+    while True:
+        c = np.zeros(A.shape[1])
+        c[keep], *_ = np.linalg.lstsq(A[:, keep], b, rcond=None)
+        if (c >= 0).all() or not keep.any():
+            return np.maximum(c, 0.0)
+        keep &= c > 0
+
+
+def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
+    """Prompt caching cost a + b * tokens, from generate(max_new_tokens=1) at two prompt sizes
+    (the one decode iteration is the same in both and cancels in b; a keeps it: conservative)."""
+    pts = []
+    for plen in (8, 64):
+        pts.append((plen * 8, time_prefill(cfg, inputs, 64, plen, repeat)))  # 8 distinct prompts
+    (x0, y0), (x1, y1) = pts
+    b = max(0.0, (y1 - y0) / (x1 - x0))
+    return max(0.0, y0 - b * x0) / 2, b  # half the fixed part: the other half is the decode row's iteration
+
+
+def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
+    import torch
+
+    from megarl.parallel.dist import init_parallel, teardown
+    from megarl.rl.update import StreamUpdate, grpo_update
+    from megarl.sim.hardware import LinearProfile
+    from megarl.stream_train.trainer import Trainer
+
+    dims = init_parallel()
+    try:
+        trainer = Trainer(inputs.args, cfg.trainer, dims, seed=0, hf_dir=inputs.init_from_hf)
+        mb = cfg.trainer.micro_batch_size
+        rng = np.random.default_rng(0)
+
+        def batch(n, w):
+            ids = torch.as_tensor(rng.integers(3, inputs.args.vocab_size, (n, w)), dtype=torch.long)
+            mask = torch.zeros((n, w - 1))
+            mask[:, 10:] = 1.0
+            return {"input_ids": ids, "loss_mask": mask, "advantages": torch.ones(n)}
+
+        def loss_fn(logprobs, m):
+            return (-(logprobs * m["loss_mask"]).sum() * 1e-6, {})
+
+        fX, fy, bX, by, grid, full_rows = [], [], [], [], [], []
+        for n, w in ((8, 32), (8, 96), (8, 192), (8, 320), (16, 64), (32, 128), (32, 256)):
+            b = batch(n, w)
+            trainer.begin_step()
+            trainer.accumulate(b, loss_fn)  # warm-up
+            tf = tb = np.inf
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                trainer.masked_logprobs(b["input_ids"], b["loss_mask"])
+                tf = min(tf, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                trainer.accumulate(b, loss_fn)
+                tb = min(tb, time.perf_counter() - t0)
+            k = -(-n // mb)
+            fX.append([k, n * w, n * w * w]), fy.append(tf)
+            bX.append([k, n * w, n * w * w]), by.append(tb)
+            grid.append({"rows": n, "width": w, "forward_s": round(tf, 5), "fwd_bwd_s": round(tb, 5)})
+            print(f"trainer rows={n:<3} width={w:<4} forward {tf:.4f}s  fwd+bwd {tb:.4f}s", flush=True)
+        # Real steps: the plain update (grpo_update: old logprobs, forward/backward, optimizer) and
+        # stream training (one accumulate per group, then the optimizer step) on real groups.
+        zero = {"fwd_a": 0.0, "fwd_b": 0.0, "fwd_c": 0.0, "fwdbwd_a": 0.0, "fwdbwd_b": 0.0, "fwdbwd_c": 0.0, "micro_batch": mb}
+        for r in real:
+            seqs = (r["lens"] + r["prompt"][:, None]).ravel()
+            t0 = time.perf_counter()
+            grpo_update(trainer, r["groups"], cfg, inputs)
+            t_full = time.perf_counter() - t0
+            stream = StreamUpdate(trainer, cfg, inputs)
+            stream.begin()
+            t0 = time.perf_counter()
+            for g in r["groups"]:
+                stream.add_group(g)
+            t_stream = time.perf_counter() - t0
+            stream.finish(r["groups"])
+            col = lambda k, st, x: LinearProfile(**{**zero, k: 1.0}).train_s(x, stream=st)
+            fX.append([col("fwd_a", False, seqs), col("fwd_b", False, seqs), col("fwd_c", False, seqs)])
+            # fwd+bwd is fitted on the stream timings; the plain step's forward part (its total
+            # minus fwd+bwd and the optimizer step) is added to the forward fit below.
+            bX.append([sum(col(k, True, (g_l + r["prompt"][i])) for i, g_l in enumerate(r["lens"]))
+                       for k in ("fwdbwd_a", "fwdbwd_b", "fwdbwd_c")])
+            by.append(t_stream)
+            full_rows.append((seqs, t_full))
+            grid.append({"real_step_s": round(t_full, 4), "real_stream_s": round(t_stream, 4),
+                         "responses": int(r["lens"].size)})
+            print(f"trainer real step: plain update {t_full:.3f}s, stream {t_stream:.3f}s", flush=True)
+        t_fin = np.inf
+        for _ in range(repeat):
+            trainer.begin_step()
+            trainer.accumulate(batch(8, 32), loss_fn)
+            t0 = time.perf_counter()
+            trainer.finish_step(scale=1e-3)
+            t_fin = min(t_fin, time.perf_counter() - t0)
+        eng = _engine(cfg, inputs, 8)
+        t_sync = np.inf
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            eng.load_weights(trainer.hf_state_dict())
+            t_sync = min(t_sync, time.perf_counter() - t0)
+    finally:
+        teardown(dims)
+
+    def lin(X, y, n_real):
+        """Shape from the synthetic rows (relative least squares), scale from the real ones."""
+        X, y = np.asarray(X, dtype=np.float64), np.asarray(y)
+        k = len(y) - n_real
+        c = _nnls(X[:k] / y[:k, None], np.ones(k))
+        if n_real:
+            c = c * float(np.median(y[k:] / (X[k:] @ c)))
+        return c, float(np.max(np.abs(X @ c - y) / y))
+
+    (ba, bb, bc), berr = lin(bX, by, len(full_rows))
+
+    fb_prof = LinearProfile(fwd_a=0.0, fwd_b=0.0, fwd_c=0.0, fwdbwd_a=ba, fwdbwd_b=bb, fwdbwd_c=bc,
+                            micro_batch=cfg.trainer.micro_batch_size)
+    # Real plain steps: what is left after their fwd+bwd part (and the optimizer step) is the
+    # old-logprob forward.
+    for seqs, t_full in full_rows:
+        fy.append(max(1e-6, t_full - fb_prof.train_s(seqs, stream=True) - t_fin))
+    assert len(fy) == len(fX)
+    (fa, fb, fc), ferr = lin(fX, fy, len(full_rows))
+    return ({"fwd_a": float(fa), "fwd_b": float(fb), "fwd_c": float(fc), "fwdbwd_a": float(ba),
+             "fwdbwd_b": float(bb), "fwdbwd_c": float(bc),
+             "micro_batch": int(cfg.trainer.micro_batch_size), "finish_a": float(t_fin), "sync": float(t_sync)},
+            {"trainer_grid": grid, "trainer_fit_max_rel_err": {"forward": round(ferr, 4), "fwd_bwd": round(berr, 4)}})
+
+
+def overhead_per_response(cfg, inputs) -> float:
+    """Host work per response per step outside engine and trainer: pickling a result for the
+    replicas' exchange (all_gather_object) and back, and scoring it."""
+    eng = _engine(cfg, inputs, 64)
+    res = eng.generate(_requests(64, 40, 12, inputs.args.vocab_size), step=0)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        pickle.loads(pickle.dumps(res))
+    return (time.perf_counter() - t0) / 5 / len(res)
+
+
+def contention(config: str, procs: int, repeat: int) -> float:
+    """Mean seconds of one decode run (B=64, L=64) in each of ``procs`` processes started together."""
+    cmd = [sys.executable, __file__, "--config", config, "--repeat", str(repeat), "--decode-once"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(procs)]
+    out = [float(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
+    return float(np.mean(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "megarl" / "sim" / "profiles" / "cpu.json"))
+    ap.add_argument("--repeat", type=int, default=3, help="timings per point (best kept)")
+    ap.add_argument("--from-hf", default=None, help="trained policy (HF folder, e.g. a bench schedule work dir's "
+                                                      "sft/hf): also fit on real rollouts and updates of it")
+    ap.add_argument("--real-steps", type=int, default=6, help="real RL steps timed with --from-hf (default 6)")
+    ap.add_argument("--decode-once", action="store_true", help=argparse.SUPPRESS)  # a contention worker
+    args = ap.parse_args()
+    if args.decode_once:
+        cfg, inputs = _setup(args.config)
+        print(time_decode(cfg, inputs, 64, 64, 12, args.repeat))
+        return
+    from megarl.sim.hardware import LinearProfile
+    from megarl.utils.fs import atomic_write_text
+
+    load0 = os.getloadavg()
+    cfg, inputs = _setup(args.config, args.from_hf)
+    real = real_rollouts(cfg, inputs, args.real_steps) if args.from_hf else []
+    pre = fit_prefill(cfg, inputs, args.repeat)
+    dec, dec_meta = fit_decode(cfg, inputs, args.repeat, pre, real)
+    tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
+    ovh = overhead_per_response(cfg, inputs)
+    t1 = contention(args.config, 1, args.repeat)
+    t2 = contention(args.config, 2, args.repeat)
+    t4 = contention(args.config, 4, 1)
+    prof = LinearProfile(name="cpu", **dec, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
+                         cores=float(os.cpu_count() or 2), slowdown={"1": 1.0, "2": round(max(1.0, t2 / t1), 4)},
+                         meta={"config": os.path.relpath(args.config, ROOT), "cpu_count": os.cpu_count(),
+                               "torch_threads": 1, "from_hf": args.from_hf, "real_steps": len(real), "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "loadavg_before": [round(x, 2) for x in load0],
+                               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                               "contention_s": {"1": round(t1, 4), "2": round(t2, 4), "4": round(t4, 4)},
+                               "contention_4_over_predicted": round(t4 / (t1 * 2 * max(1.0, t2 / t1)), 3),
+                               **dec_meta, **tr_meta})
+    atomic_write_text(args.out, prof.to_json() + "\n")
+    print(json.dumps({k: v for k, v in json.loads(prof.to_json()).items() if k != "meta"}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Validate the simulator against measured CPU multi-process runs (issue 8 item 4).
+
+    .venv/bin/python -m megarl.cli bench schedule --config configs/tiny.yaml --nproc N --tail --work-dir D --json D.json
+    .venv/bin/python benchmarks/validate_sim.py D [D2 ...] [--profile cpu] [--json OUT]
+
+For each work dir (its ``baseline``, ``megarl`` and ``tail`` runs; the process count is read
+from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
+the simulator with the calibrated ``cpu`` profile (megarl/sim/replay.py: the run's own response
+lengths, length history and measured acceptance) and the mean step and rollout times are
+printed predicted vs measured, with the relative error. The target is |error| <= 20% on step time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("work_dirs", nargs="+", help="bench schedule --work-dir folders")
+    ap.add_argument("--nproc", type=int, default=None, help="processes of the runs (default: from <work dir>.json)")
+    ap.add_argument("--profile", default="cpu", help="simulator profile (default cpu)")
+    ap.add_argument("--json", default=None, help="also write every step's figures here")
+    args = ap.parse_args()
+    from megarl.sim.hardware import load_profile
+    from megarl.sim.replay import replay_run
+    from megarl.utils.fs import atomic_write_text
+
+    profile = load_profile(args.profile)
+    rows, worst = [], 0.0
+    print(f"{'runs':<28} {'variant':<9} {'procs':>5} {'step meas':>9} {'step pred':>9} {'err':>7} "
+          f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17}")
+    for d in map(Path, args.work_dirs):
+        nproc = args.nproc
+        if nproc is None:
+            bench = d.with_suffix(".json") if d.with_suffix(".json").is_file() else d.parent / f"{d.name}.json"
+            if not bench.is_file():
+                raise SystemExit(f"validate_sim: no {bench}: pass --nproc")
+            nproc = json.loads(bench.read_text())["nproc"]
+        for variant in ("baseline", "megarl", "tail"):
+            if not (d / variant / "metrics.jsonl").is_file():
+                continue
+            r = replay_run(d / variant, nproc, profile)
+            s = r["summary"]
+            worst = max(worst, abs(s["step_rel_err"]))
+            rows.append({"work_dir": str(d), "variant": variant, "nproc": nproc, **r})
+            print(f"{str(d)[-28:]:<28} {variant:<9} {nproc:>5} {s['meas_step_s']:>9.3f} {s['pred_step_s']:>9.3f} "
+                  f"{s['step_rel_err']:>+7.1%} {s['meas_rollout_s']:>12.3f} {s['pred_rollout_s']:>12.3f} "
+                  f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f}")
+    print(f"worst |step error|: {worst:.1%} (target 20%)")
+    if args.json:
+        atomic_write_text(args.json, json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

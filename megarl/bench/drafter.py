@@ -1,0 +1,158 @@
+"""``megarl bench drafter``: the learned drafter (issue 7), trained in bubbles, measured in one run.
+
+1. The config's SFT warm-up, once, on one process (or ``--from-hf``).
+2. Two RL runs of ``--steps`` steps on ``--nproc`` processes (``torchrun``, the config's layout)
+   from that policy, identical but for ``drafter_train`` in ``schedule.bubble_work``: ``off``
+   never trains the drafter, ``on`` trains it in its replicas' bubbles and exports it to
+   ``hf/drafter``. Both capture hidden states and draft with the sources only
+   (``spec.drafter.strategy=sources``), so the two runs do the same rollout work and
+   ``step_time_ratio`` (mean step time on / off) is the cost of bubble-time training alone.
+3. In this process, on prompts never seen before (uids past the prompt set: neither SFT, RL,
+   history nor bubble drafts have met them), with the ``on`` run's final policy, at the config's
+   temperature: generation with speculation off (the reference), with an untrained drafter and
+   with the bubble-trained one (drafter only, no cost rule: every row drafts ``spec.drafter.k``
+   tokens), the trained one with the config's cost rule, combined with the group/prompt sources,
+   and the bandit strategy. ``exact_match``: every variant gave the reference's tokens.
+
+``forward_reduction_unseen`` = 1 - target forwards / tokens with the trained drafter;
+``accept_len_*`` = tokens per forward that carried a draft (accepted drafts + the target's token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megarl.bench.schedule import _launch, _read_jsonl
+from megarl.config import RunConfig
+from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+from megarl.models.hf_io import load_hf_model
+from megarl.setup_run import prepare_inputs
+from megarl.spec.config import DrafterConfig
+from megarl.spec.speculator import Speculator
+from megarl.utils.fs import atomic_write_text
+
+RUNS = {
+    "off": ["schedule.bubble_work=[]", "spec.drafter.steps_after_rollout=0"],
+    "on": ["schedule.bubble_work=[drafter_train]"],
+}
+COMMON = ["sft.steps=0", "checkpoint_every=0", "progress=false", "spec.enabled=true", "spec.bubble_pregen=false",
+          "stream_train=false", "spec.drafter.enabled=true", "spec.drafter.strategy=sources"]
+UNSEEN_UID0 = 1_000_000  # problem uids from here on are outside any prompt set of the default task
+
+
+def _unseen_requests(cfg: RunConfig, inputs, n_prompts: int) -> list[Request]:
+    if inputs.task is None:
+        raise ValueError("bench drafter needs data.source=addition (it draws prompts never seen before from the task)")
+    r = cfg.rollout
+    params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                            stop_token_ids=(inputs.tokenizer.eos_id,))
+    return [Request(u, i, inputs.tokenizer.encode(inputs.task.problem(u).prompt), params)
+            for u in range(UNSEEN_UID0, UNSEEN_UID0 + n_prompts) for i in range(r.group_size)]
+
+
+def _variant(model, cfg: RunConfig, reqs, ref, passes: int = 1, **drafter) -> dict:
+    """Generate ``reqs`` (``passes`` times, at steps 0..passes-1) with one speculation setting."""
+    spec_cfg = dataclasses.replace(cfg.spec, enabled=True, **drafter.pop("spec", {}))
+    spec_cfg.drafter = DrafterConfig(**{**dataclasses.asdict(cfg.spec.drafter), "enabled": True, **drafter})
+    spec = Speculator(spec_cfg)
+    ecfg = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=model.args.max_position_embeddings,
+                        dtype=cfg.rollout.dtype, device=cfg.rollout.device)
+    eng = Engine(model, ecfg, seed=cfg.seed, spec=spec)
+    tokens = forwards = 0
+    exact = True
+    t0 = time.perf_counter()
+    for step in range(passes):
+        res = eng.generate(reqs, step)
+        exact &= [r.tokens for r in res] == ref[step]
+        tokens += sum(len(r.tokens) for r in res)
+        forwards += sum(r.n_forwards for r in res)
+    m = spec.metrics()
+    out = {"time_s": time.perf_counter() - t0, "tokens": tokens, "target_forwards": forwards,
+           "forward_reduction": 1.0 - forwards / max(tokens, 1), "accept_len": m.get("spec/accept_len_mean", 0.0),
+           "drafter_accept_len": m.get("spec/drafter/accept_len_mean", 0.0), "exact_match": exact}
+    strat = {k.removeprefix("spec_strategy/"): v for k, v in m.items() if k.startswith("spec_strategy/")}
+    if strat:
+        out["bandit"] = strat
+        buckets = sorted({int(k.split("/")[0]) for k in strat})
+        out["bandit_most_chosen"] = {
+            b: max((k.split("/")[1] for k in strat if k.startswith(f"{b}/") and not k.endswith("_reward")),
+                   key=lambda a: strat[f"{b}/{a}"]) for b in buckets}
+    return out
+
+
+def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: list[str], steps: int = 12,
+                  nproc: int = 2, eval_prompts: int = 32, from_hf: str | None = None,
+                  work_dir: str | None = None) -> dict:
+    if nproc < 2:
+        raise ValueError(f"--nproc={nproc} is invalid: bubbles need >= 2 rollout replicas (valid range: >= 2)")
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-bench-drafter-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"config": config, "nproc": nproc, "steps": steps, "work_dir": str(work),
+                    "temperature": cfg.rollout.temperature, "eval_prompts": eval_prompts,
+                    "group_size": cfg.rollout.group_size, "drafter": dataclasses.asdict(cfg.spec.drafter)}
+    start = from_hf or cfg.model.init_from_hf
+    if from_hf is None and cfg.sft.steps > 0:
+        print(f"bench drafter: SFT warm-up ({cfg.sft.steps} steps) -> {work / 'sft'}", flush=True)
+        report["sft_time_s"] = _launch(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
+                                       work / "sft", work / "sft.log")
+        start = str(work / "sft" / "hf")
+    base = [*overrides, *COMMON, f"rl_steps={steps}"] + ([f"model.init_from_hf={start}"] if start else [])
+    for name, extra in RUNS.items():
+        print(f"bench drafter: RL run with drafter training {name} ({nproc} processes, {steps} steps)", flush=True)
+        wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
+        metrics = _read_jsonl(work / name / "metrics.jsonl")
+        report[f"run_{name}"] = {"wall_s": wall, "step_time_s": float(np.mean([m["step_time_s"] for m in metrics])),
+                                 "rollout_time_s": float(np.mean([m["rollout_time_s"] for m in metrics])),
+                                 "bubble_frac": float(np.mean([m["bubble_frac"] for m in metrics])),
+                                 "drafter_train_steps": [m.get("drafter_train_steps", 0) for m in metrics],
+                                 "drafter_loss": [m.get("drafter_loss") for m in metrics],
+                                 "step_time_s_each": [m["step_time_s"] for m in metrics]}
+    report["step_time_ratio"] = report["run_on"]["step_time_s"] / report["run_off"]["step_time_s"]
+    # The two runs sample the same tokens step by step: per-step ratios pair equal work (robust to a slow step).
+    report["step_time_ratio_median_paired"] = float(np.median(
+        np.array(report["run_on"]["step_time_s_each"]) / np.array(report["run_off"]["step_time_s_each"])))
+
+    print("bench drafter: unseen prompts, speculation off / untrained / bubble-trained drafter", flush=True)
+    trained = work / "on" / "hf" / "drafter"
+    if not trained.is_dir():
+        raise RuntimeError(f"bench drafter: the 'on' run exported no drafter at {trained}")
+    eval_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from_hf=str(work / "on" / "hf")))
+    inputs = prepare_inputs(eval_cfg)
+    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
+    model = load_hf_model(work / "on" / "hf", dtype)
+    reqs = _unseen_requests(cfg, inputs, eval_prompts)
+    ref_eng = Engine(model, EngineConfig(max_batch_size=cfg.rollout.max_batch_size,
+                                         max_seq_len=model.args.max_position_embeddings, dtype=cfg.rollout.dtype,
+                                         device=cfg.rollout.device), seed=cfg.seed)
+    ref, t_off = [], []
+    for step in range(3):
+        t0 = time.perf_counter()
+        ref.append([r.tokens for r in ref_eng.generate(reqs, step)])
+        t_off.append(time.perf_counter() - t0)
+    k = cfg.spec.drafter.k
+    no_cost = {"spec": {"forward_cost_tokens": 0.0, "sources": ()}}
+    v = {
+        "untrained": _variant(model, cfg, reqs, ref, strategy="drafter", init_from=None, **no_cost),
+        "trained": _variant(model, cfg, reqs, ref, strategy="drafter", init_from=str(trained), **no_cost),
+        "trained_cost_rule": _variant(model, cfg, reqs, ref, strategy="drafter", init_from=str(trained),
+                                      spec={"sources": ()}),
+        "trained_combined": _variant(model, cfg, reqs, ref, strategy="combined", init_from=str(trained),
+                                     spec={"sources": ("group", "prompt")}),
+        "bandit": _variant(model, cfg, reqs, ref, passes=3, strategy="bandit", init_from=str(trained),
+                           spec={"sources": ("group", "prompt")}),
+    }
+    report.update(
+        forward_reduction_unseen=v["trained"]["forward_reduction"],
+        accept_len_trained=v["trained"]["accept_len"],
+        accept_len_untrained=v["untrained"]["accept_len"],
+        forward_reduction_unseen_untrained=v["untrained"]["forward_reduction"],
+        exact_match=all(x["exact_match"] for x in v.values()),
+        draft_k=k, off_time_s=t_off[0], off_time_s_3_passes=sum(t_off), variants=v)
+    atomic_write_text(json_out, json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,208 @@
+"""One synchronous RL step: placement -> rollout (+ bubble work) -> train -> weight sync.
+
+The step of megarl/train.py, as events on every rank:
+
+1. **Placement** of the step's prompts on the R rollout replicas (round robin, or LPT on noisy
+   history predictions: megarl/sim/placement.py).
+2. **Rollout**: every replica runs its share (megarl/sim/rollout.py), with speculation when on
+   (acceptance per source, bubble-draft prefixes from the previous step: megarl/sim/spec.py).
+   A replica that is done does *bubble work* until the last one is: stream training of its own
+   finished groups, then drafter training, then pre-generation of the next step's responses
+   (bubble drafts), in that order (``schedule.bubble_work``). On CPU, bubble work runs at idle
+   priority on shared cores (megarl/sim/share.py). The rollout phase ends when the last replica
+   is done, plus the exchange of the step's samples.
+3. **Train**: without stream training, every trainer DP rank trains its strided share of the
+   step's sequences (old-logprob forward + forward/backward); with it, each replica trains the
+   groups it generated that its bubbles did not get to (``stream_balance='own'``, megarl's rule;
+   ``'pooled'`` spreads the leftovers over every rank instead, a what-if). Then the gradient
+   all-reduce and optimizer step, and the weight sync.
+
+Figures: ``step_time_s``; ``rollout_share`` = rollout phase / step; ``tail_share`` = time the
+last 10% of the step's responses took to finish, over the rollout phase (90% of the responses
+are done at t90; (last finish - t90) / rollout phase); ``bubble_frac`` = idle rank-seconds over
+rank-seconds of the rollout phase (megarl/rl/timeline.py's definition: bubble work counts as
+busy while it has work to do).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megarl.sim.hardware import Profile
+from megarl.sim.lengths import StepLengths
+from megarl.sim.placement import noisy_prediction, place, to_matrix
+from megarl.sim.rollout import run_rollout
+from megarl.sim.share import run_phase
+from megarl.sim.spec import SpecModel
+
+FEATURES = ("placement", "spec", "bubble", "drafter", "stream", "tail")
+
+
+@dataclass
+class StepKnobs:
+    """The model's parameters that are not the device's (``SimConfig`` fills them)."""
+
+    group: int = 8
+    """Samples per prompt (G)."""
+    max_batch: int = 256
+    """KV-cache slots per replica (running requests at most)."""
+    tp: int = 1
+    """GPUs per rollout replica; the trainer uses the same TP (stream training's constraint)."""
+    predictor_sigma: float = 0.5
+    """Log-std of the history length predictor's error (LPT placement)."""
+    drafter_need_s: float = 5.0
+    """Bubble work seconds per replica per step that keep the learned drafter fresh."""
+    stream_balance: str = "own"
+    """Stream-training leftovers after the rollout: ``own`` (each replica its own groups: megarl) or
+    ``pooled`` (spread over all ranks)."""
+    coarsen: float = 0.0
+    """Event merging of the rollout model (megarl/sim/rollout.py); 0 is exact."""
+
+    def __post_init__(self) -> None:
+        if self.stream_balance not in ("own", "pooled"):
+            raise ValueError(f"stream_balance={self.stream_balance!r} is invalid; valid choices: ['own', 'pooled']")
+
+
+@dataclass
+class StepResult:
+    """What one simulated step took (seconds) and its shape."""
+
+    step_time_s: float
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    bubble_frac: float
+    tail_share: float
+    responses: int
+    complete: np.ndarray
+    """Per prompt of the step: all samples finished (False: aborted by a short round)."""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class CarryOver:
+    """What a step leaves the next: bubble-draft prefix tokens per replica share, drafter
+    freshness, and length history by prompt uid (replays)."""
+
+    cover: np.ndarray | None = None
+    drafter_fresh: float = 0.0
+
+
+def tail_share(finish: np.ndarray, rollout_s: float) -> float:
+    """(last finish - time by which 90% of the responses finished) / rollout phase."""
+    f = np.sort(np.asarray(finish, dtype=np.float64).ravel())
+    f = f[~np.isnan(f)]
+    if f.size == 0 or rollout_s <= 0:
+        return 0.0
+    t90 = f[math.ceil(0.9 * f.size) - 1]
+    return float((f[-1] - t90) / rollout_s)
+
+
+def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs: StepKnobs, spec: SpecModel,
+                  replicas: int, carry: CarryOver, rng: np.random.Generator, *, pred: np.ndarray | None = None,
+                  seen: np.ndarray | None = None, keep: int | None = None, fixed_tau: float | None = None,
+                  fixed_draft: float | None = None) -> tuple[StepResult, CarryOver]:
+    """One step of ``sl``'s prompts with ``features`` on. ``keep``: tail batching's short round
+    (stop once ``keep`` prompts are complete, ``ceil(keep / replicas)`` per replica). Replays
+    pass the run's own ``pred`` (length history), ``seen`` and measured ``fixed_tau`` /
+    ``fixed_draft`` (tokens and draft rows per target forward)."""
+    bad = sorted(set(features) - set(FEATURES))
+    if bad:
+        raise ValueError(f"features {bad} are invalid; valid choices: {list(FEATURES)}")
+    G, R = knobs.group, replicas
+    P = sl.prompts
+    if P < R:
+        raise ValueError(f"{P} prompts cannot give each of {R} rollout replicas one; more prompts or fewer GPUs")
+    # 1. placement
+    if "placement" in features:
+        p = pred if pred is not None else noisy_prediction(sl.expected, rng, knobs.predictor_sigma,
+                                                            spec.history_coverage)
+        assign = place(p, R, "lpt")
+    else:
+        assign = place(np.ones(P), R, "round_robin")
+    lens = to_matrix(sl.lengths, assign).reshape(R, -1)
+    prompt = to_matrix(np.repeat(sl.prompt_len[:, None], G, axis=1), assign).reshape(R, -1)
+    # 2. rollout
+    kw: dict = {}
+    speculating = "spec" in features or fixed_tau is not None
+    if fixed_tau is not None:
+        kw.update(fixed_tau=fixed_tau, fixed_draft=fixed_draft or 0.0)
+    elif "spec" in features:
+        s = seen if seen is not None else rng.random(P) < spec.history_coverage
+        rest = spec.rest_alpha(s, carry.drafter_fresh)
+        rest = np.repeat(to_matrix(rest, assign), G, axis=1)
+        kw.update(alpha_rest=rest, alpha_cover=spec.cover_alpha(rest), k_choices=spec.k_choices,
+                  spec_max_batch=spec.max_batch)
+        if "bubble" in spec.sources and carry.cover is not None:
+            kw["cover"] = np.minimum(lens, carry.cover[:, None])
+    quota = None if keep is None else np.full(R, math.ceil(keep / R))
+    res = run_rollout(lens, prompt, profile, group=G, max_batch=knobs.max_batch, quota=quota,
+                      coarsen=knobs.coarsen, **kw)
+    # Bubble work, in schedule order: stream training, drafter training, pre-generation.
+    real = lens > 0
+    done_groups = (~np.isnan(res.finish) | ~real).reshape(R, -1, G).all(axis=2) & real[:, ::G]
+    seqs = (lens + prompt).reshape(R, -1, G)
+    own = np.array([sum(profile.train_s(seqs[r, q], stream=True) for q in np.flatnonzero(done_groups[r]))
+                    for r in range(R)]) / knobs.tp if "stream" in features else np.zeros(R)
+    drafter = knobs.drafter_need_s if "drafter" in features and speculating else 0.0
+    pregen = "bubble" in features and speculating and R > 1
+    idle_work = own + drafter + (np.inf if pregen else 0.0)
+    phase = run_phase(res.end, idle_work, profile)
+    rollout_s = phase.barrier + profile.overhead_s(int(real.sum()))
+    wall_finish = np.stack([phase.wall_at(r, res.finish[r]) for r in range(R)]) if R else res.finish
+    busy = phase.normal_end + phase.idle_busy
+    bubble_frac = float(max(0.0, 1.0 - busy.sum() / (R * rollout_s))) if rollout_s > 0 else 0.0
+    stream_done = np.minimum(own, phase.idle_done)
+    drafter_done = np.clip(phase.idle_done - own, 0.0, drafter)
+    pregen_s = np.maximum(0.0, phase.idle_done - own - drafter) if pregen else np.zeros(R)
+    new = CarryOver(cover=_pregen_cover(lens, prompt, pregen_s, profile, knobs) if pregen else None,
+                    drafter_fresh=float(min(1.0, drafter_done.sum() / (drafter * R))) if drafter else 0.0)
+    # 3. train, gradient all-reduce + optimizer, weight sync (every rank at once).
+    if "stream" in features:
+        left = own - stream_done
+        if knobs.stream_balance == "pooled":
+            left = np.full(R, left.sum() / R)
+    complete = np.zeros(P, dtype=bool)
+    for r, a in enumerate(assign):
+        complete[a] = done_groups[r, :len(a)]
+    if "stream" not in features:
+        # DP rank r trains rows r::R of the step's sequences in prompt order (megarl/rl/batching.py).
+        flat = (sl.lengths + sl.prompt_len[:, None])[complete].ravel()
+        left = np.array([profile.train_s(flat[r::R], stream=False) for r in range(R)]) / knobs.tp
+    train = run_phase(left, np.zeros(R), profile).barrier
+    if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
+        # The replicas exchange without waiting for the stream-training unit in flight; training
+        # waits for it (megarl/rl/rollout.py wait_bubble): half a group's forward/backward on average.
+        unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
+        train += 0.5 * unit / (profile.speed(R) if profile.cores is not None else 1.0)
+    all_speed = profile.speed(R) if profile.cores is not None else 1.0
+    train += profile.finish_s(R) / all_speed
+    sync = profile.sync_s(R) / all_speed
+    out = StepResult(step_time_s=rollout_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,
+                     bubble_frac=bubble_frac, tail_share=tail_share(wall_finish, rollout_s),
+                     responses=int(real.sum()), complete=complete,
+                     extra={"gen_end": phase.normal_end, "forwards": float(res.forwards.sum()),
+                            "stream_in_bubble_s": float(stream_done.sum()), "pregen_s": float(pregen_s.sum())})
+    return out, new
+
+
+def _pregen_cover(lens: np.ndarray, prompt: np.ndarray, budget: np.ndarray, profile: Profile, knobs: StepKnobs
+                  ) -> np.ndarray:
+    """Bubble-draft prefix (tokens per request) of each replica share of the next step, from
+    each replica's pre-generation seconds. Replica r pre-generates share r (no speculation; this
+    step's share r stands in for the next one's lengths, same distribution) and, once that is
+    complete, share r + 1 with what is left (megarl/rl/rollout.py goes on cyclically; one hop
+    is modelled)."""
+    R = lens.shape[0]
+    first = run_rollout(lens, prompt, profile, group=knobs.group, max_batch=knobs.max_batch, budget=budget,
+                        coarsen=knobs.coarsen)
+    cover = first.iterations.copy()
+    left = np.where(first.end < budget - 1e-12, budget - first.end, 0.0)
+    if (left > 0).any() and R > 1:
+        nxt = np.roll(np.arange(R), -1)
+        second = run_rollout(lens[nxt], prompt[nxt], profile, group=knobs.group, max_batch=knobs.max_batch,
+                             budget=left, coarsen=knobs.coarsen)
+        cover[nxt] = np.maximum(cover[nxt], np.where(left > 0, second.iterations, 0.0))
+    return cover

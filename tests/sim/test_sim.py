@@ -1,0 +1,187 @@
+"""The cluster simulator (megarl/sim): distributions, the event model, the CLI."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megarl.cli import main
+from megarl.sim.hardware import QWEN25_7B, LinearProfile, h100
+from megarl.sim.lengths import PRESETS, ReplayLengths, StepLengths, draw, stats
+from megarl.sim.placement import place
+from megarl.sim.rollout import run_rollout
+from megarl.sim.run import parse_sweep
+from megarl.sim.share import run_phase
+from megarl.sim.spec import SpecModel, tokens_per_forward
+from megarl.sim.step import CarryOver, StepKnobs, simulate_step, tail_share
+
+# One second per engine iteration, nothing else: times count iterations.
+UNIT = {"decode_a": 1.0, "decode_b": 0.0, "decode_c": 0.0, "prefill_a": 0.0, "prefill_b": 0.0, "overhead_per_response": 0.0,
+            "cores": None, "bubble_interference": 1.0}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_preset_a_statistics(seed):
+    p = PRESETS["A"]
+    d = draw(p, p.prompts, np.random.default_rng(seed))
+    s = stats(d.lengths)
+    assert d.lengths.shape == (128, 8)
+    assert 500 <= s["median"] <= 700
+    assert 750 <= s["p75"] <= 1100
+    assert 25 <= s["max_over_median"] <= 32
+    assert s["max"] <= p.max_len
+
+
+def test_preset_a_runaway_share():
+    p = PRESETS["A"]
+    d = draw(p, 20000, np.random.default_rng(5))
+    runaway = (d.lengths >= p.runaway_low * p.max_len).any(axis=1).mean()
+    assert 0.03 <= runaway <= 0.05
+
+
+def test_preset_b_mean():
+    p = PRESETS["B"]
+    means = [draw(p, p.prompts, np.random.default_rng(s)).lengths.mean() for s in range(4)]
+    assert 19000 <= np.mean(means) <= 25000
+
+
+def test_baseline_step_is_rollout_plus_train_plus_sync():
+    """Hand-computed: 1 replica, 1 s per iteration; train costs 1 s per micro-batch + 0.01 s per
+    padded token (forward and fwd+bwd alike), optimizer 0.5 s, sync 0.25 s."""
+    prof = LinearProfile(**UNIT, fwd_a=1.0, fwd_b=0.01, fwdbwd_a=1.0, fwdbwd_b=0.01, micro_batch=2,
+                         finish_a=0.5, sync=0.25)
+    sl = StepLengths(np.array([[3, 7]]), np.array([5]), np.array([5.0]))
+    res, _ = simulate_step(sl, frozenset(), prof, StepKnobs(group=2), SpecModel(), 1, CarryOver(),
+                           np.random.default_rng(0))
+    assert res.rollout_s == pytest.approx(7.0)  # the longest response: 7 iterations
+    # One micro-batch of 2 rows padded to 12 tokens: (1 + 0.24) forward + (1 + 0.24) fwd+bwd.
+    assert res.train_s == pytest.approx(2 * 1.24 + 0.5)
+    assert res.sync_s == pytest.approx(0.25)
+    assert res.step_time_s == pytest.approx(7.0 + 2.98 + 0.25)
+
+
+def test_single_rank_without_features_has_no_bubble():
+    p = PRESETS["A"]
+    sl = draw(p, 8, np.random.default_rng(0))
+    res, _ = simulate_step(sl, frozenset(), h100(), StepKnobs(), SpecModel(), 1, CarryOver(), np.random.default_rng(0))
+    assert res.bubble_frac == pytest.approx(0.0, abs=1e-12)
+    res4, _ = simulate_step(sl, frozenset(), h100(), StepKnobs(), SpecModel(), 4, CarryOver(),
+                            np.random.default_rng(0))
+    assert res4.bubble_frac > 0.0  # and replicas that wait do show it
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lpt_never_worse_than_round_robin(seed):
+    rng = np.random.default_rng(seed)
+    work = np.exp(rng.normal(6, 1.2, int(rng.integers(8, 200))))
+    replicas = int(rng.integers(2, 9))
+    load = lambda a: max(work[x].sum() for x in a)
+    assert load(place(work, replicas, "lpt")) <= load(place(work, replicas, "round_robin")) + 1e-9
+    lpt = place(work, replicas, "lpt")
+    assert sorted(np.concatenate(lpt).tolist()) == list(range(len(work)))  # every prompt placed once
+
+
+def test_speculation_cuts_decode_steps():
+    prof = LinearProfile(**UNIT)
+    lens = np.array([[100]])
+    plain = run_rollout(lens, 0, prof, group=1, max_batch=1)
+    assert plain.iterations[0] == 100
+    # Acceptance length 4 (fixed: 4 tokens per forward) -> 25 forwards.
+    fixed = run_rollout(lens, 0, prof, group=1, max_batch=1, fixed_tau=4.0, fixed_draft=3.0)
+    assert fixed.iterations[0] == 25 and fixed.end[0] == pytest.approx(25.0)
+    # Adaptive: rows are free here, so the longest draft (k=8) wins; alpha=0.5 gives
+    # tau = (1 - 0.5^9) / 0.5 tokens per forward.
+    tau = tokens_per_forward(0.5, 8)
+    assert tau == pytest.approx((1 - 0.5 ** 9) / 0.5)
+    adaptive = run_rollout(lens, 0, prof, group=1, max_batch=1, alpha_rest=np.array([[0.5]]),
+                           k_choices=(0, 1, 2, 4, 8))
+    assert adaptive.iterations[0] == math.ceil(100 / tau)
+    # ... and above spec_max_batch speculation is off.
+    off = run_rollout(lens, 0, prof, group=1, max_batch=1, alpha_rest=np.array([[0.5]]), k_choices=(0, 8),
+                      spec_max_batch=0)
+    assert off.iterations[0] == 100
+
+
+def test_continuous_batching_admits_into_freed_slots():
+    prof = LinearProfile(**UNIT)
+    r = run_rollout(np.array([[10, 20, 5, 5]]), 0, prof, group=1, max_batch=2)
+    # Slots: {10, 20}; at 10 the third starts (ends 15), at 15 the fourth (ends 20).
+    assert r.finish[0].tolist() == [10.0, 20.0, 15.0, 20.0]
+
+
+def test_tail_share_hand_built():
+    assert tail_share(np.arange(1.0, 11.0), 10.0) == pytest.approx(0.1)
+    f = np.array([1.0] * 18 + [10.0, 10.0])
+    assert tail_share(f, 10.0) == pytest.approx(0.9)
+    assert tail_share(np.array([2.0, np.nan, 4.0]), 4.0) == pytest.approx(0.0)  # NaN: aborted, ignored
+
+
+def test_processor_sharing_on_two_cores():
+    prof = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.0}, bubble_interference=1.0)
+    ph = run_phase(np.array([1.0, 1.0, 1.0, 1.0]), np.zeros(4), prof)
+    assert ph.barrier == pytest.approx(2.0)  # four jobs on two cores: twice as long
+    # Idle-priority work gets no CPU while two normal processes still run.
+    ph = run_phase(np.array([1.0, 3.0, 3.0]), np.array([np.inf, 0, 0]), prof)
+    # 3 busy on 2 cores until t=1.5 (process 0 done), then 2 on 2: the rest 2 s -> 3.5.
+    assert ph.normal_end[0] == pytest.approx(1.5) and ph.barrier == pytest.approx(3.5)
+    assert ph.idle_done[0] == pytest.approx(0.0) and ph.idle_busy[0] == pytest.approx(2.0)
+
+
+def test_tail_batching_short_round_stops_at_quota():
+    prof = LinearProfile(**UNIT)
+    lens = np.array([[1, 1, 50, 50, 2, 2]])
+    r = run_rollout(lens, 0, prof, group=2, max_batch=6, quota=np.array([2]))
+    assert r.end[0] == pytest.approx(2.0) and np.isnan(r.finish[0, 2:4]).all()
+
+
+def test_h100_decode_is_memory_bound_at_small_batch():
+    prof = h100()
+    t1 = prof.decode_s(1, 1, 0)
+    assert t1 == pytest.approx(prof.iter_overhead + QWEN25_7B.weight_bytes / (prof.hbm_bw * prof.bw_eff))
+    assert prof.decode_s(8, 32, 0) == pytest.approx(t1)  # 32 verify rows: still free
+    assert prof.decode_s(1024, 1024, 0) > 1.5 * t1  # but not a thousand
+
+
+def test_parse_sweep():
+    assert parse_sweep("8,16,...,64") == [8, 16, 32, 64]
+    assert parse_sweep("8,64,512") == [8, 64, 512]
+    with pytest.raises(ValueError, match="--sweep"):
+        parse_sweep("8,...")
+
+
+def test_replay_lengths_from_timeline(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(json.dumps({"step": 1, "response_lengths": [3, 4, 10, 12]}) + "\n")
+    rl = ReplayLengths(path, group=2)
+    assert rl.step(0).lengths.tolist() == [[3, 4], [10, 12]]
+    path.write_text(json.dumps({"step": 1, "response_lengths": [3, 4, 10]}) + "\n")
+    with pytest.raises(ValueError, match="group size"):
+        ReplayLengths(path, group=2)
+
+
+def test_cli_writes_required_keys(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--preset", "A", "--gpus", "16", "--steps", "2", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep) == {"baseline", "megarl", "speedup", "features"}
+    keys = {"step_time_s", "rollout_share", "tail_share", "bubble_frac"}
+    assert set(rep["baseline"]) == keys and set(rep["megarl"]) == keys
+    assert rep["speedup"] == pytest.approx(rep["baseline"]["step_time_s"] / rep["megarl"]["step_time_s"])
+    assert "megarl" in rep["features"] and all(v > 0 for v in rep["features"].values())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--preset", "Z"], "--preset"),
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "12", "--gpus-per-replica", "8"], "--gpus-per-replica"),
+    (["--profile", "nope"], "--profile"),
+    (["--sweep", "8,x"], "--sweep"),
+])
+def test_cli_bad_input_names_the_flag(tmp_path, capsys, argv, flag):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", *argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megarl: error:") and flag in err
+    assert not out.exists()
