@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -88,34 +89,34 @@ QWEN25_7B = ModelShape("Qwen2.5-7B", params=7.62e9, embed_params=0.545e9, layers
                        kv_heads=4, head_dim=128)
 
 
-class Profile:
+class Profile(ABC):
     """What the simulator asks of a device. Arrays in, arrays out (numpy broadcasting)."""
 
     name: str = "profile"
     cores: float | None = None
     """CPU cores shared by the processes of a run (None: every rank owns its device)."""
 
+    @abstractmethod
     def decode_s(self, batch, rows, ctx):
         """One engine iteration: ``batch`` running requests, ``rows`` token rows, ``ctx`` KV positions."""
-        raise NotImplementedError
 
+    @abstractmethod
     def prefill_s(self, tokens):
         """Caching ``tokens`` prompt tokens (one packed forward)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def train_s(self, seq_lens: np.ndarray, stream: bool) -> float:
         """Forward/backward of sequences of these lengths (prompt + response) on one rank:
         ``stream`` False is the plain step (old-logprob forward + training forward/backward),
         True one stream-training call (training forward/backward only)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish_s(self, dp: int) -> float:
         """Gradient reduction over ``dp`` ranks + optimizer step."""
-        raise NotImplementedError
 
+    @abstractmethod
     def sync_s(self, replicas: int) -> float:
         """Weight sync trainer -> rollout engines."""
-        raise NotImplementedError
 
     def overhead_s(self, responses: int) -> float:
         """Per-step host work outside the phases above (exchanging the step's samples, logging)."""
