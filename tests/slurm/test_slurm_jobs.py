@@ -113,8 +113,9 @@ def test_train_job_runs_two_ranks_to_the_end(slurm, plain_run):
 # Passes run alone (tests/slurm, ~40 s) but, in two full-suite runs from a fresh clone (fresh-ci), the requeued job
 # ended FAILED 1:0 with no output from its second run of the batch script (no rank logs of restart 1): Slurm failed
 # the restarted batch launch itself. Not yet understood (issue 8 note, stop 15): skipped so that CI reports the rest.
-@pytest.mark.skip(reason="requeued batch job fails to relaunch in the full suite (issue 8, stop 15 note); run this "
-                         "test alone: pytest tests/slurm -k signalled")
+@pytest.mark.skipif(os.environ.get("MEGARL_SLURM_REQUEUE") != "1",
+                    reason="requeued batch job fails to relaunch in the full suite (issue 8, stop 15 note); run it "
+                           "with MEGARL_SLURM_REQUEUE=1 pytest tests/slurm -k signalled")
 def test_signalled_job_checkpoints_requeues_and_resumes_to_the_same_weights(slurm, plain_run, tmp_path):
     ref_dir, _ = plain_run
     run_dir = tmp_path / "preempted"
