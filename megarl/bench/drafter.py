@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megarl.bench.schedule import _launch, _read_jsonl
+from megarl.bench.schedule import _launch, _read_jsonl, warm_start_overrides
 from megarl.config import RunConfig
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.hf_io import load_hf_model
@@ -96,13 +96,7 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
     report: dict = {"config": config, "nproc": nproc, "steps": steps, "work_dir": str(work),
                     "temperature": cfg.rollout.temperature, "eval_prompts": eval_prompts,
                     "group_size": cfg.rollout.group_size, "drafter": dataclasses.asdict(cfg.spec.drafter)}
-    start = from_hf or cfg.model.init_from_hf
-    if from_hf is None and cfg.sft.steps > 0:
-        print(f"bench drafter: SFT warm-up ({cfg.sft.steps} steps) -> {work / 'sft'}", flush=True)
-        report["sft_time_s"] = _launch(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
-                                       work / "sft", work / "sft.log")
-        start = str(work / "sft" / "hf")
-    base = [*overrides, *COMMON, f"rl_steps={steps}"] + ([f"model.init_from_hf={start}"] if start else [])
+    base = warm_start_overrides("bench drafter", config, cfg, overrides, work, from_hf, report, steps, COMMON)
     for name, extra in RUNS.items():
         print(f"bench drafter: RL run with drafter training {name} ({nproc} processes, {steps} steps)", flush=True)
         wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")

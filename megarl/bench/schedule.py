@@ -54,6 +54,20 @@ TAIL = ["tail.enabled=true"]
 KEYS = ("bubble_frac", "rollout_time_s", "step_time_s")
 
 
+def warm_start_overrides(what: str, config, cfg: RunConfig, overrides: list[str], work: Path, from_hf: str | None,
+                         report: dict, steps: int, common: list[str]) -> list[str]:
+    """The overrides of every compared run (``common`` and ``steps`` RL steps) from the same weights (``from_hf``,
+    the config's ``init_from_hf``, or the config's SFT warm-up, run here once on one process into
+    ``work/sft``; its time goes into ``report["sft_time_s"]``)."""
+    start = from_hf or cfg.model.init_from_hf
+    if from_hf is None and cfg.sft.steps > 0:
+        print(f"{what}: SFT warm-up ({cfg.sft.steps} steps) -> {work / 'sft'}", flush=True)
+        report["sft_time_s"] = _launch(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
+                                       work / "sft", work / "sft.log")
+        start = str(work / "sft" / "hf")
+    return [*overrides, *common, f"rl_steps={steps}"] + ([f"model.init_from_hf={start}"] if start else [])
+
+
 def _env() -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
@@ -123,14 +137,7 @@ def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"config": config, "nproc": nproc, "steps": steps, "work_dir": str(work),
                     "cpu_count": os.cpu_count()}
-    start = from_hf or cfg.model.init_from_hf
-    if from_hf is None and cfg.sft.steps > 0:
-        # The SFT warm-up once, on one process: both variants start from its export.
-        print(f"bench schedule: SFT warm-up ({cfg.sft.steps} steps) -> {work / 'sft'}", flush=True)
-        report["sft_time_s"] = _launch(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
-                                       work / "sft", work / "sft.log")
-        start = str(work / "sft" / "hf")
-    base = [*overrides, *COMMON, f"rl_steps={steps}"] + ([f"model.init_from_hf={start}"] if start else [])
+    base = warm_start_overrides("bench schedule", config, cfg, overrides, work, from_hf, report, steps, COMMON)
     for name, extra in VARIANTS.items():
         print(f"bench schedule: {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
         wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
