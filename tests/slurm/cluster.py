@@ -25,6 +25,8 @@ from pathlib import Path
 BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "munged", "munge", "unmunge")
 MUNGE_DIR = Path("/run/munge")
 MUNGE_KEY = Path("/etc/munge/munge.key")
+# job credential lifetime (s); also how long Slurm holds a requeued job before it may start again
+CRED_EXPIRE_S = 10
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
 
@@ -84,6 +86,9 @@ SlurmdUser=root
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
+# A requeued job may start again only once its revoked credential has expired: Slurm holds it that long
+# (BeginTime) and kills an earlier start with "Job credential revoked". 120 s by default; short here.
+AuthInfo=cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool
 SlurmctldPidFile={r}/slurmctld.pid
