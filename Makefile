@@ -25,7 +25,7 @@ smoke: venv
 	$(VENV)/bin/megarl train --config configs/smoke.yaml --run-dir runs/smoke-$(shell date +%Y%m%d-%H%M%S)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info megarl/_suffix_index*.so
