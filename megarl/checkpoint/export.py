@@ -32,22 +32,23 @@ def _first_replica(dims) -> bool:
 
 
 def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] | None = None) -> Path:
-    """Write the trainer's weights as a HF folder at ``out_dir`` (collective: every process calls
-    it; rank 0 writes). ``write_extra(folder)`` adds files such as the tokenizer."""
+    """Write the trainer's weights as a HF folder at ``out_dir`` (collective: every trainer process
+    calls it; rank 0 writes). ``write_extra(folder)`` adds files such as the tokenizer."""
     dims, args, out_dir = trainer.dims, trainer.args, Path(out_dir)
     stage = out_dir.with_name(f".{out_dir.name}.pieces")
-    multi = dist.is_initialized() and dist.get_world_size() > 1
+    group = dims.trainer_group  # the trainer processes (None: all of them)
+    multi = dist.is_initialized() and dist.get_world_size(group) > 1
     if dims.rank == 0:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
     if multi:
-        dist.barrier()
+        dist.barrier(group=group)
     if _first_replica(dims):
         for s, piece in trainer.local_pieces().items():  # one per model chunk
             local = {k: v.detach().contiguous().cpu() for k, v in piece.items()}
             save_file(local, str(stage / convert.stage_file(dims.tp_rank, s, dims.ep_rank, dims.pp, dims.vpp)))
     if multi:
-        dist.barrier()
+        dist.barrier(group=group)
     try:
         if dims.rank == 0:
             dtype = trainer.dtype
@@ -72,5 +73,5 @@ def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] 
         if dims.rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
     if multi:
-        dist.barrier()
+        dist.barrier(group=group)
     return out_dir

@@ -14,11 +14,13 @@ The backend is gloo on CPU and nccl when CUDA is available.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,26 @@ class ParallelDims:
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B): the layers are cut into
     ``pp * vpp`` stages and pipeline rank ``p`` holds the ``vpp`` model chunks of stages
     ``p, p + pp, p + 2 pp, ...`` (:meth:`stage`)."""
+    role: str = "both"
+    """``both``: this process trains and generates (colocated placement); ``trainer`` or
+    ``rollout``: it only trains / only generates (disaggregated placement). A ``rollout`` process
+    has the trainer's sizes (tp, pp, ep, vpp: the weight sync's plan) but no trainer groups."""
+    trainer_group: dist.ProcessGroup | None = None
+    """The trainer processes when they are not the whole world (disaggregated placement: Megatron's
+    "world"); None when every process trains (then it is the default group)."""
+
+    @property
+    def trains(self) -> bool:
+        return self.role != "rollout"
+
+    @property
+    def generates(self) -> bool:
+        return self.role != "trainer"
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Number of trainer processes (``tp * pp * dp``)."""
+        return self.tp * self.pp * self.dp
 
     @property
     def stages(self) -> int:
@@ -83,21 +105,27 @@ class ParallelDims:
             raise ValueError(f"model chunk {chunk} out of range: this rank holds {self.vpp} (vpp={self.vpp})")
         return chunk * self.pp + self.pp_rank
 
+    def _group_rank(self, what: str, group) -> int:
+        if not self.trains:  # dist.get_rank(None) would answer with the default group's rank
+            raise RuntimeError(f"rank {self.rank} only generates (disaggregated placement): it has no trainer "
+                               f"{what}")
+        return dist.get_rank(group)
+
     @property
     def tp_rank(self) -> int:
-        return dist.get_rank(self.tp_group)
+        return self._group_rank("tp_rank", self.tp_group)
 
     @property
     def pp_rank(self) -> int:
-        return dist.get_rank(self.pp_group)
+        return self._group_rank("pp_rank", self.pp_group)
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.dp_group)
+        return self._group_rank("dp_rank", self.dp_group)
 
     @property
     def ep_rank(self) -> int:
-        return 0 if self.ep_group is None else dist.get_rank(self.ep_group)
+        return 0 if self.ep_group is None else self._group_rank("ep_rank", self.ep_group)
 
 
 def _free_port() -> int:
@@ -106,13 +134,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1, vpp: int = 1) -> ParallelDims:
+@contextlib.contextmanager
+def _default_group_is(size: int, group: dist.ProcessGroup | None):
+    """Within the block, torch.distributed calls that name no group act as if the default group
+    were ``group`` (of ``size`` processes): Megatron-core sizes its "world" with
+    ``get_world_size()`` and aligns optimizer parameter groups with a world ``all_gather_object``.
+    Only around set-up code (no other thread calls torch.distributed then)."""
+    if group is None:
+        yield
+        return
+    world_size, gather = dist.get_world_size, dist.all_gather_object
+
+    def get_world_size(group=None):
+        return size if group is None else world_size(group)
+
+    def all_gather_object(object_list, obj, group=None):
+        return gather(object_list, obj, group=trainer if group is None else group)
+
+    trainer = group
+    with mock.patch.object(dist, "get_world_size", get_world_size), \
+            mock.patch.object(dist, "all_gather_object", all_gather_object):
+        yield
+
+
+def trainer_world(dims: ParallelDims):
+    """Context for Megatron-core set-up calls on a trainer rank (e.g. building the optimizer):
+    with disaggregated placement the trainers are a sub-world, which Megatron must take for its
+    whole world; with colocated placement nothing changes."""
+    return _default_group_is(dims.trainer_world_size, dims.trainer_group)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1, vpp: int = 1,
+                  trainer_ranks: int | None = None) -> ParallelDims:
     """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
     Megatron's model-parallel state; return the groups as a :class:`ParallelDims`.
 
     ``ep`` is the expert-parallel size (MoE models): Megatron lays out experts as
     ``tp x ep x expert-dp x pp`` with expert-TP = ``tp``, so ``tp * ep * pp`` must divide the world.
-    ``vpp`` > 1 (virtual pipeline stages per pipeline rank, interleaved 1F1B) needs ``pp`` >= 2."""
+    ``vpp`` > 1 (virtual pipeline stages per pipeline rank, interleaved 1F1B) needs ``pp`` >= 2.
+
+    ``trainer_ranks`` (disaggregated placement): only the first ``trainer_ranks`` processes train;
+    Megatron's parallel state is built over them as its whole world (every process still takes
+    part in creating the groups, which is collective), and the others get a ``role="rollout"``
+    :class:`ParallelDims` without trainer groups. None: every process trains."""
     if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
         raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
     if vpp > 1 and pp < 2:
@@ -137,33 +201,45 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
         owns = True
-    world, rank = dist.get_world_size(), dist.get_rank()
+    everyone, rank = dist.get_world_size(), dist.get_rank()
+    world = everyone if trainer_ranks is None else trainer_ranks  # Megatron's world: the trainers
+    if not 1 <= world <= everyone:
+        raise ValueError(f"trainer_ranks={trainer_ranks} is invalid in a world of {everyone}; valid range: "
+                         f"1..{everyone}")
+    what = "world_size" if world == everyone else "the trainer processes"
     if world % (tp * pp):
-        raise ValueError(f"world_size={world} is not a multiple of tp*pp={tp * pp}")
+        raise ValueError(f"{what}={world} is not a multiple of tp*pp={tp * pp}")
     if world % (tp * ep * pp):
-        raise ValueError(f"world_size={world} is not a multiple of tp*ep*pp={tp * ep * pp}: the expert-"
+        raise ValueError(f"{what}={world} is not a multiple of tp*ep*pp={tp * ep * pp}: the expert-"
                          f"parallel size ep={ep} must divide the data-parallel size {world // (tp * pp)}")
+    # new_group is collective over the default group: every process creates the trainers' group
+    trainer_group = dist.new_group(list(range(world))) if world < everyone else None
 
     cpu_compat.install()  # no-op with CUDA
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised; call teardown() first")
     # Gloo side groups are only needed by the distributed optimizer's CPU paths; on CPU the
     # main groups already are gloo, so do not create a second copy of every group.
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep,
-                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                 distributed_timeout_minutes=timeout_minutes,
-                                 create_gloo_process_groups=cuda)
-    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    # With a trainer sub-world every process runs Megatron's set-up over the first `world` ranks
+    # (the same new_group calls in the same order); a generating-only rank is in none of them.
+    with _default_group_is(world, trainer_group):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                     distributed_timeout_minutes=timeout_minutes,
+                                     create_gloo_process_groups=cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dims = ParallelDims(
-        world_size=world, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp),
-        tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
-        backend=backend, device=device, owns_process_group=owns,
-        ep=ep, ep_group=pgs.ep, expt_dp_group=pgs.expt_dp, vpp=vpp,
-    )
-    logger.info("parallel init: backend=%s world=%d tp=%d pp=%d vpp=%d dp=%d ep=%d", backend, world, tp, pp,
-                vpp, dims.dp, ep)
+    sizes = dict(world_size=everyone, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, vpp=vpp,
+                 backend=backend, device=device, owns_process_group=owns, trainer_group=trainer_group)
+    if rank >= world:
+        dims = ParallelDims(tp_group=None, pp_group=None, dp_group=None, pg_collection=None, role="rollout", **sizes)
+    else:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        dims = ParallelDims(tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
+                            ep_group=pgs.ep, expt_dp_group=pgs.expt_dp,
+                            role="both" if world == everyone else "trainer", **sizes)
+    logger.info("parallel init: backend=%s world=%d trainers=%d tp=%d pp=%d vpp=%d dp=%d ep=%d role=%s", backend,
+                everyone, world, tp, pp, vpp, dims.dp, ep, dims.role)
     return dims
 
 

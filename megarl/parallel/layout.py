@@ -181,6 +181,9 @@ class RolloutGroups:
     dp_group: dist.ProcessGroup | None
     group_index: int
     """Which rollout group this rank belongs to (-1: none)."""
+    bridge: dist.ProcessGroup | None = None
+    """Disaggregated placement: trainer rank 0 and the generating-only ranks (the weight sync's
+    last hop, megarl/parallel/weight_sync.py); None when colocated."""
 
 
 def create_rollout_groups(layout: Layout) -> RolloutGroups:
@@ -197,7 +200,10 @@ def create_rollout_groups(layout: Layout) -> RolloutGroups:
         g = dist.new_group(ranks)
         if rank in ranks:
             dp_group = g
-    return RolloutGroups(tp_group, dp_group, index)
+    bridge = None
+    if layout.cfg.placement == "disaggregated":
+        bridge = dist.new_group([layout.trainer_ranks[0], *layout.rollout_ranks])
+    return RolloutGroups(tp_group, dp_group, index, bridge)
 
 
 def check_trainer_groups(layout: Layout, tp_group, pp_group, dp_group) -> None:

@@ -22,6 +22,14 @@ travels alone). For each bucket, in order, every rank:
    (:func:`~megarl.models.mcore_mapping.mcore_tensor_to_hf`) and copies this rollout-TP rank's
    slice (:func:`~megarl.engine.tp_model.tp_slice`) into its engine's parameters.
 
+Disaggregated placement (trainer processes and generating-only processes apart): the trainers
+run steps 1-3 among themselves; then a fourth hop, ``bridge``: trainer rank 0, which holds every
+bucket's gathered chunks after those hops, broadcasts them over the bridge group (itself and the
+generating processes), and each generating process checks the chunks' trailers and does step 4.
+The trainers still join every tensor (for ``weight_checksum``) but load no engine. The bridge
+sends the whole bucket to every generating process, rollout-TP slices included that it drops
+(rollout TP times the bytes a slice-aware send would move; one bucket of memory either way).
+
 Collectives of size-1 groups are skipped; where no hop is needed at all (TP=PP=1, and EP=1 or a
 dense bucket) nothing is packed either: the trainer's parameters are the pieces, so the
 single-process sync is a direct, checked copy through the same plan and code. Broadcasting the
@@ -260,22 +268,36 @@ def _copy_to_engine(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class WeightSync:
-    """Syncs a ``Trainer``'s weights into a rollout ``Engine`` (colocated: every rank of the
-    default process group calls it with its own trainer piece and engine). Create once per run,
-    call after each optimizer step; returns metrics, raises :class:`WeightSyncError` on any
-    failed check (module docstring).
+    """Syncs a ``Trainer``'s weights into a rollout ``Engine``. Colocated: every rank of the
+    default process group calls it with its own trainer piece and engine. Disaggregated: trainer
+    ranks pass their trainer and ``engine=None``, generating-only ranks ``trainer=None``, their
+    engine and ``receiver=(dims, args, dtype)`` (the trainer's layout sizes, model and dtype: the
+    plan), and all pass the ``bridge`` group (trainer rank 0 and the generating ranks, see the
+    module docstring). Create once per run, call after each optimizer step (every rank); returns
+    metrics, raises :class:`WeightSyncError` on any failed check (module docstring).
 
     ``receive_hook(bucket_index, hop, buffer)``: test hook, called on every received buffer (hop
-    ``pp``, ``tp`` or ``ep``; the uint8 buffer of all chunks) before it is verified; tests flip a
-    byte in it to prove a corrupted transfer is caught. None in normal runs."""
+    ``pp``, ``tp``, ``ep`` or ``bridge``; the uint8 buffer of all chunks) before it is verified;
+    tests flip a byte in it to prove a corrupted transfer is caught. None in normal runs."""
 
-    def __init__(self, trainer, engine, bucket_mb: float = DEFAULT_BUCKET_MB):
+    def __init__(self, trainer, engine, bucket_mb: float = DEFAULT_BUCKET_MB, *,
+                 bridge: dist.ProcessGroup | None = None, receiver: tuple | None = None):
         if not bucket_mb > 0:
             raise ValueError(f"weight sync bucket_mb={bucket_mb} is invalid; valid range: > 0")
-        self.trainer, self.engine = trainer, engine
-        self.args: ModelArgs = trainer.args
-        self.dims = d = trainer.dims
-        self.dtype: torch.dtype = trainer.dtype
+        if (trainer is None) != (receiver is not None) or (engine is None and trainer is None):
+            raise ValueError("weight sync: pass a trainer (a training rank), or engine and receiver=(dims, args, "
+                             "dtype) (a generating-only rank)")
+        if bridge is None and (trainer is None or engine is None):
+            raise ValueError("weight sync: a rank that only trains or only generates needs the bridge group "
+                             "(disaggregated placement)")
+        self.trainer, self.engine, self.bridge = trainer, engine, bridge
+        if trainer is not None:
+            self.args: ModelArgs = trainer.args
+            self.dims = d = trainer.dims
+            self.dtype: torch.dtype = trainer.dtype
+        else:
+            self.dims, self.args, self.dtype = receiver
+            d = self.dims
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         # With virtual pipeline stages the buckets go stage by stage over pp * vpp stages; stage s is
         # owned by pipeline rank s % pp (mcore_sharding's docstring).
@@ -289,10 +311,12 @@ class WeightSync:
         # embedding (mcore_sharding), checked against the embedding piece it receives.
         self._tied = next(((b.index, i) for b in self.buckets for i, it in enumerate(b.items)
                            if it.local == "embedding.word_embeddings.weight"), None)
-        if not (self.args.tie_word_embeddings and d.pp > 1 and d.pp_rank == d.pp - 1):
+        if not (trainer is not None and self.args.tie_word_embeddings and d.pp > 1 and d.pp_rank == d.pp - 1):
             self._tied = None  # only the rank holding the last stage keeps the copy
-        self._check_trainer()
-        self._check_engine()
+        if trainer is not None:
+            self._check_trainer()
+        if engine is not None:
+            self._check_engine()
 
     # ------------------------------------------------------------------ setup checks
 
@@ -341,13 +365,16 @@ class WeightSync:
         t0 = time.perf_counter()
         d = self.dims
         rec = _Record(d.rank)
-        local = self.trainer.local_pieces()  # stage -> this rank's piece of it
-        engine_sd = self.engine.model.state_dict()
+        local = self.trainer.local_pieces() if self.trainer is not None else {}  # stage -> this rank's piece
+        engine_sd = self.engine.model.state_dict() if self.engine is not None else None
         for b in self.buckets:
-            chunks, buf = self._transport(b, local, rec)
+            chunks, buf = self._transport(b, local, rec) if self.trainer is not None else (None, None)
+            if self.bridge is not None:
+                chunks, buf = self._bridge(b, chunks, buf, local, rec)
             self._deliver(b, chunks, buf, engine_sd, rec)
             del chunks, buf  # the bucket's buffers go before the next bucket's are allocated
-        errors, full = rec.errors(f"rollout tp_rank {self.engine.tp_rank} of {self.engine.tp_size}")
+        e = self.engine
+        errors, full = rec.errors(f"rollout tp_rank {e.tp_rank} of {e.tp_size}" if e is not None else "no engine")
         digest = combine_checksums([(name, str(self.dtype), shape, cs) for name, shape, cs in full])
         self._agree(errors, digest)
         dt = time.perf_counter() - t0
@@ -425,6 +452,24 @@ class WeightSync:
         n = buf.numel() // b.chunk
         return [[self._view(buf, c, b, it) for it in b.items] for c in range(n)], buf
 
+    def _bridge(self, b: Bucket, chunks, buf, local: dict[int, dict[str, torch.Tensor]], rec: _Record):
+        """Disaggregated hop: trainer rank 0 broadcasts the bucket's gathered chunks (packing its
+        own pieces first when no trainer hop did) to the generating ranks, which check them; the
+        other trainers take no part. Returns (chunks, buffer) as :meth:`_transport` does."""
+        d = self.dims
+        if self.trainer is not None:
+            if d.rank == 0:
+                out = buf if buf is not None else self._pack(b, local[b.stage])
+                dist.broadcast(out, group=self.bridge, group_src=0)
+            return chunks, buf
+        buf = torch.empty(b.gathered, dtype=torch.uint8, device=d.device)
+        rec.alloc(b.gathered)
+        dist.broadcast(buf, group=self.bridge, group_src=0)
+        rec.wire += b.gathered
+        n = b.gathered // b.chunk  # chunks: EP-major, then TP rank (as the trainer's hops leave them)
+        self._received(b, "bridge", buf, list(range(n)), lambda c: (c % d.tp, c // d.tp), rec)
+        return [[self._view(buf, c, b, it) for it in b.items] for c in range(n)], buf
+
     def _received(self, b: Bucket, hop: str, buf: torch.Tensor, chunks: list[int], who, rec: _Record) -> None:
         """Record the checks of the ``chunks`` of ``buf`` that came from other ranks; ``who(c)``
         gives the (tp_rank, ep_rank) chunk ``c`` must come from."""
@@ -439,9 +484,10 @@ class WeightSync:
 
     def _deliver(self, b: Bucket, chunks: list[list[torch.Tensor]], buf: torch.Tensor | None,
                  engine_sd: dict[str, torch.Tensor], rec: _Record) -> None:
-        """Join, convert and load every tensor of ``b`` into the engine, recording the checks."""
+        """Join, convert and load every tensor of ``b`` into the engine (if this rank has one),
+        recording the checks."""
         tp = self.dims.tp if buf is not None else 1
-        e_rank, e_size = self.engine.tp_rank, self.engine.tp_size
+        e_rank, e_size = (self.engine.tp_rank, self.engine.tp_size) if engine_sd is not None else (0, 1)
         for e in range(len(chunks) // tp):
             for i, it in enumerate(b.items):
                 pieces = [chunks[e * tp + t][i] for t in range(tp)]
@@ -456,6 +502,8 @@ class WeightSync:
                 name = it.names[e]
                 full_sum = byte_checksum(full)
                 rec.full.append((name, it.full_shape, full_sum))
+                if engine_sd is None:  # a trainer-only rank: the checksum is all it needs
+                    continue
                 hf = mcore_mapping.mcore_tensor_to_hf(name, full, self.args, self.hf_names[name])
                 if len(hf) == 3:  # q/k/v are copies
                     rec.alloc(full.numel() * full.element_size())

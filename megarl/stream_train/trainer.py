@@ -21,7 +21,7 @@ from megarl.models.config import ModelArgs
 from megarl.checkpoint.convert import load_piece, read_hf_piece, read_meta
 from megarl.models import mcore_sharding
 from megarl.models.init_weights import init_hf_state
-from megarl.parallel.dist import ParallelDims
+from megarl.parallel.dist import ParallelDims, trainer_world
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
 from megarl.stream_train.model import build_gpt_model, causal_mask, load_hf_state, load_state, parse_dtype
 
@@ -210,8 +210,9 @@ class Trainer:
         )
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
         # the non-distributed optimizer does not need them.
-        self.optimizer = get_megatron_optimizer(opt_cfg, self.models, use_gloo_process_groups=False,
-                                                pg_collection=self.dims.pg_collection)
+        with trainer_world(self.dims):  # it aligns parameter groups over the "world": the trainers
+            self.optimizer = get_megatron_optimizer(opt_cfg, self.models, use_gloo_process_groups=False,
+                                                    pg_collection=self.dims.pg_collection)
         self._apply_lr_and_wd()
 
     def reset_optimizer(self) -> None:
@@ -453,8 +454,9 @@ class Trainer:
             return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages)
         # With EP the expert pieces sit on other data-parallel ranks: gather from the whole world
         # and keep one copy of each (tp, pp, ep) piece (DP replicas hold equal ones).
-        pieces = [None] * dims.world_size
-        dist.all_gather_object(pieces, [((dims.tp_rank, stage, dims.ep_rank), sd) for stage, sd in local.items()])
+        pieces = [None] * dims.trainer_world_size
+        dist.all_gather_object(pieces, [((dims.tp_rank, stage, dims.ep_rank), sd) for stage, sd in local.items()],
+                               group=dims.trainer_group)
         return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages,
                                     ep=dims.ep)
 

@@ -16,7 +16,7 @@ from megarl.parallel.weight_sync import plan_buckets
 from tests.stream_train.conftest import tiny_args
 from tests.stream_train.launch import torchrun
 
-from .weight_sync_worker import BUCKET_MB, DENSE, LAYOUTS, MOE, SEED, WORLD, case_args
+from .weight_sync_worker import BUCKET_MB, DENSE, DISAGG, LAYOUTS, MOE, SEED, WORLD, case_args
 
 
 def reference_checksum(t: torch.Tensor) -> list[int]:
@@ -181,3 +181,22 @@ def test_metrics(runs):
                     assert 0 < m["weight_sync_peak_bytes"] <= BUCKET_MB * 2 ** 20
                     assert m["weight_sync_buckets"] >= 4 and m["weight_sync_gbps"] > 0
                     assert 0 < m["weight_sync_wire_bytes"] < 2 * model_bytes
+
+
+@pytest.mark.multiproc
+def test_disaggregated_sync_reaches_the_generating_ranks(runs):
+    """Trainers on some ranks, engines on the others (the bridge hop): every rank of a layout
+    reports the checksum of the full weights, before and after a training step (the worker also
+    checks every engine tensor bitwise and a corrupted bridge buffer)."""
+    for layout in DISAGG:
+        trainers, ep = layout[0], layout[3]
+        for case in (MOE if ep > 1 else DENSE):
+            args = case_args(*case)
+            want = weight_checksum(init_hf_state(args, SEED, torch.float64), args)
+            per_rank = [r[("disagg", *layout)][case] for r in runs]
+            assert {r["checksum0"] for r in per_rank} == {want}, (layout, case)
+            assert len({r["checksum1"] for r in per_rank}) == 1 and per_rank[0]["checksum1"] != want
+            # what a generating rank received: the whole model once, plus chunk trailers and alignment
+            model_bytes = sum(t.numel() * 8 for t in init_hf_state(args, SEED, torch.float64).values())
+            for r in per_rank[trainers:]:
+                assert model_bytes <= r["metrics"]["weight_sync_wire_bytes"] < 1.5 * model_bytes, (layout, case)

@@ -14,6 +14,10 @@ full weights and engines of each rollout TP (TP=2: the rollout groups [0, 1] and
    raises ``WeightSyncError`` naming that rank, bucket, hop and tensor; a faulty engine copy on
    one rank: the same, naming the engine tensor; with tied embeddings and PP=2, a last-stage copy
    that differs from the embedding: the same; a clean sync then succeeds again.
+
+Then the disaggregated layouts of ``DISAGG`` (the first ranks train, the others only generate;
+the bridge hop from trainer rank 0): the same checks 1-2 on the generating ranks' engines, every
+rank reporting the same checksum, and a corrupted bridge buffer named by the rank that got it.
 """
 import dataclasses
 import sys
@@ -48,6 +52,10 @@ LAYOUTS = {(2, 1, 1): (1, 2), (1, 2, 1): (1, 2), (2, 2, 1): (1, 2), (1, 1, 2): (
 DENSE = [("qwen2", False), ("llama", True)]
 MOE = [("qwen3_moe", False)]
 SEED = 3
+# Disaggregated: (trainer processes, trainer tp, pp, ep, rollout tp); the rest of the 4 ranks generate.
+# 2 x TP=2 -> one TP=2 engine; PP=2 (tied embeddings: the last stage's copy) -> 2 engines; 3 trainers
+# without a model-parallel hop (rank 0 packs its own pieces) -> 1 engine; MoE EP=2 -> 2 engines.
+DISAGG = [(2, 2, 1, 1, 2), (2, 1, 2, 1, 1), (3, 1, 1, 1, 1), (2, 1, 1, 2, 1)]
 # Larger than the biggest tensor's gathered buffer (TP=2 vocab pieces: 2 x 128 x 32 fp64 = 64 KiB),
 # small enough for several buckets per stage.
 BUCKET_MB = 80 / 1024
@@ -210,6 +218,54 @@ def run_layout(tp: int, pp: int, ep: int, rollout_groups) -> dict:
     return out
 
 
+def run_disaggregated(trainers: int, tp: int, pp: int, ep: int, rollout_tp: int) -> dict:
+    dims = init_parallel(tp=tp, pp=pp, ep=ep, trainer_ranks=trainers)
+    assert dims.role == ("trainer" if dims.rank < trainers else "rollout"), dims.role
+    cfg = ParallelConfig(placement="disaggregated", rollout_ranks=WORLD - trainers, trainer_tp=tp, trainer_pp=pp,
+                         trainer_ep=ep, rollout_tp=rollout_tp)
+    groups = create_rollout_groups(Layout.build(cfg, WORLD, 4, 2, 4, num_experts=4))
+    out = {}
+    for case in (MOE if ep > 1 else DENSE):
+        args = case_args(*case)
+        hf0 = init_hf_state(args, SEED, torch.float64)
+        if dims.trains:
+            trainer = Trainer(args, TrainerConfig(lr=1e-2, dtype="float64", micro_batch_size=4), dims, hf_state=hf0)
+            ws = WeightSync(trainer, None, BUCKET_MB, bridge=groups.bridge)
+        else:
+            engine = make_engine(args, rollout_tp, groups.tp_group, engine_dtype(case, rollout_tp))
+            ws = WeightSync(None, engine, BUCKET_MB, bridge=groups.bridge, receiver=(dims, args, torch.float64))
+        where = f"disaggregated {trainers} trainers tp, pp, ep = {(tp, pp, ep)}, rollout tp {rollout_tp}, {case}"
+        m0 = ws()
+        assert m0["weight_checksum"] == weight_checksum(hf0, args), where
+        if not dims.trains:
+            assert_engine_holds(engine, hf0, where)
+            assert m0["weight_sync_wire_bytes"] == sum(b.gathered for b in ws.buckets)  # every bucket once
+        if dims.trains:
+            train_one_step(trainer, args, dims)
+            hf1 = trainer.hf_state_dict()
+        # the generating ranks cannot compute the new weights: rank 0 hands them over for the check
+        box = [hf1 if dims.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        m1 = ws()
+        assert m1["weight_checksum"] == weight_checksum(box[0], args) != m0["weight_checksum"], where
+        if not dims.trains:
+            assert_engine_holds(engine, box[0], where + " after a step")
+        if case == (MOE if ep > 1 else DENSE)[0]:  # a corrupted bridge buffer on the last rank: every rank fails
+            bucket = ws.buckets[-1]
+
+            def hook(index, kind, buf):
+                if dims.rank == WORLD - 1 and index == bucket.index and kind == "bridge":
+                    buf[0:1].bitwise_xor_(0x10)
+
+            ws.receive_hook = hook
+            expect_failure(ws, f"rank {WORLD - 1}: bucket {bucket.index}, bridge hop", "checksum mismatch in")
+            ws.receive_hook = None
+            assert ws()["weight_checksum"] == m1["weight_checksum"]
+        out[case] = {"checksum0": m0["weight_checksum"], "checksum1": m1["weight_checksum"], "metrics": m1}
+    teardown(dataclasses.replace(dims, owns_process_group=False))
+    return out
+
+
 def main(out_dir: str) -> None:
     results = {}
     groups = None
@@ -222,6 +278,10 @@ def main(out_dir: str) -> None:
         t0 = time.perf_counter()
         results[layout] = run_layout(*layout, groups)
         print(f"rank {dist.get_rank()} layout tp, pp, ep = {layout}: {time.perf_counter() - t0:.2f} s", flush=True)
+    for layout in DISAGG:
+        t0 = time.perf_counter()
+        results[("disagg", *layout)] = run_disaggregated(*layout)
+        print(f"rank {dist.get_rank()} disaggregated {layout}: {time.perf_counter() - t0:.2f} s", flush=True)
     torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
