@@ -5,6 +5,7 @@ clear message and leave nothing behind, so all of it is loaded and checked here 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -49,10 +50,10 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     p = cfg.parallel
     layout = Layout.build(p, world, args.num_attention_heads, args.num_key_value_heads, args.num_hidden_layers,
                           getattr(args, "num_experts", 0) or 0)
-    if p.placement != "colocated":
-        raise ValueError(f"parallel.placement={p.placement!r}: the training loop runs colocated only so far "
-                         f"(disaggregated layouts are checked and their groups built, but the trainer "
-                         f"sub-world is not); valid choice: 'colocated'")
+    if p.placement == "disaggregated" and cfg.stream_train:
+        raise ValueError("stream_train=true needs parallel.placement=colocated: with disaggregated placement the "
+                         "trainers get a step's groups once its rollout is over (streaming them over while the "
+                         "rollout runs is not built); or use stream_train=false")
     check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep, vpp=p.trainer_vpp)
     if p.rollout_tp > 1:
         check_tp(args, p.rollout_tp)
@@ -63,6 +64,24 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
                          f"generated, as soon as they finish, so a trainer's TP group must be a rollout group (and "
                          f"pipeline stages or expert all-to-alls would need other replicas' groups mid-rollout); "
                          f"or use stream_train=false")
+    long_tp = cfg.tail.long_rollout_tp
+    if long_tp not in (0, p.rollout_tp):  # elastic rollout TP
+        why = ("tail.enabled=false" if not cfg.tail.enabled else "placement=disaggregated" if p.placement != "colocated"
+               else "stream_train=true" if cfg.stream_train
+               else "spec.drafter.enabled=true" if cfg.spec.enabled and cfg.spec.drafter.enabled else None)
+        if why is not None:
+            raise ValueError(f"tail.long_rollout_tp={long_tp} (elastic rollout TP for tail batching's long rounds) "
+                             f"does not go with {why}; valid: tail.long_rollout_tp=0, or tail batching on, "
+                             f"colocated, without stream training or the learned drafter")
+        long_layout = Layout.build(dataclasses.replace(p, rollout_tp=long_tp), world, args.num_attention_heads,
+                                   args.num_key_value_heads, args.num_hidden_layers,
+                                   getattr(args, "num_experts", 0) or 0)
+        if long_tp > 1:
+            check_tp(args, long_tp)
+        if cfg.rollout.prompts_per_step < long_layout.rollout_dp:
+            raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves some of the "
+                             f"{long_layout.rollout_dp} long-round rollout groups (tail.long_rollout_tp={long_tp}) "
+                             f"without a prompt; valid: >= {long_layout.rollout_dp}")
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if seqs < layout.trainer_dp:
         raise ValueError(f"rollout.prompts_per_step * group_size = {seqs} sequences per step cannot give each of "

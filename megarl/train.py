@@ -4,6 +4,7 @@ The top-level loop stays one screen long (slime's train.py); each stage lives in
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,7 +33,9 @@ from megarl.rl.timeline import StepTimeline, bubble_fraction, gather_records, re
 from megarl.rl.tail import PromptSchedule
 from megarl.rl.update import StreamUpdate, grpo_update, trained_groups
 from megarl.setup_run import RunInputs, check_layout, prepare_inputs
+from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
+from megarl.stream_train.model import parse_dtype
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.fs import atomic_write_text
 
@@ -73,14 +77,19 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
     if cfg.deterministic:
         set_deterministic()
     p = cfg.parallel
-    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep, vpp=p.trainer_vpp)
+    trainers = None  # disaggregated: the first world - rollout_ranks processes train (Megatron's world)
+    if p.placement == "disaggregated":
+        trainers = int(os.environ.get("WORLD_SIZE", "1")) - p.rollout_ranks
+    dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep, vpp=p.trainer_vpp,
+                            trainer_ranks=trainers)
     try:
         # Inside the try: the watchdog stops (a store barrier) before the process group goes, and
         # before PreemptSignals raises Preempted (exit 75) after a signal's checkpoint.
         preempt = PreemptSignals(device=dims.device, record=run_dir / RECORD_NAME if rank0 else None)
         with preempt, RankWatchdog(cfg.watchdog):
             layout = inputs.layout or check_layout(cfg, inputs.args, dims.world_size)
-            check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
+            if dims.trains:
+                check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
             if dims.rank == 0:
                 log.info("process layout: %s", layout.describe())
             return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout, preempt)
@@ -91,19 +100,22 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
            layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
     rank0 = dims.rank == 0
-    trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf, mcore_dir=inputs.init_from_mcore,
-                      seed=cfg.seed)
-    # Rollout TP: this process's rollout group runs the engine's model tensor-parallel.
-    policy = TPCausalLM(inputs.args, groups.tp_group) if layout.cfg.rollout_tp > 1 else CausalLM(inputs.args)
-    engine = Engine(policy, EngineConfig(
-        max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
-        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
-        spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
-    start, trainer_state = 0, {}
+    # Colocated: every process trains and generates. Disaggregated: a process does one of the two
+    # (dims.role); the groups go from the first generating process to the trainers, the weights back.
+    apart = layout.cfg.placement == "disaggregated"
+    first_gen = layout.rollout_ranks[0]  # sends the step's groups to the trainers (disaggregated)
+    trainer = engine = None
+    if dims.trains:
+        trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
+                          mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
+    if dims.generates:
+        engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, groups.tp_group)
+    start, trainer_state, loop_state = 0, {}, {}
     prompts = PromptSchedule(cfg, len(inputs.problems))
     if ckpt is not None:
         trainer_state, loop_state = load_checkpoint(ckpt, dims)
-        trainer.load_state_dict(trainer_state)
+        if trainer is not None:
+            trainer.load_state_dict(trainer_state)
         start = loop_state["step"]
         prompts.load_state_dict(loop_state)
         if rank0:
@@ -112,68 +124,99 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             _truncate_metrics(run_dir / "rollouts.jsonl", start)
         log.info("resumed from %s (step %d)", ckpt, start)
     elif cfg.sft.steps > 0:
-        sft = run_sft(trainer, inputs, cfg)
-        if rank0:
-            log.info("SFT done: %s", sft)
-            atomic_write_text(run_dir / "sft.json", json.dumps(sft))
-        trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
-        trainer.set_lr(cfg.trainer.lr)
+        if trainer is not None:
+            sft = run_sft(trainer, inputs, cfg)
+            if rank0:
+                log.info("SFT done: %s", sft)
+                atomic_write_text(run_dir / "sft.json", json.dumps(sft))
+            trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
+            trainer.set_lr(cfg.trainer.lr)
         if cfg.checkpoint_every:
-            save_checkpoint(run_dir, 0, trainer.state_dict(), {}, keep=cfg.keep_checkpoints, dims=dims)
-    trainer.set_lr(cfg.trainer.lr)
+            save_checkpoint(run_dir, 0, trainer.state_dict() if trainer is not None else None, {},
+                            keep=cfg.keep_checkpoints, dims=dims)
     ref = None
-    if cfg.grpo.kl_coef > 0:  # reference = the policy RL starts from (after SFT)
-        if start > 0 and "ref" not in trainer_state:
-            raise RunDirError(f"{ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
-                              f"resume with grpo.kl_coef=0")
-        ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
-        ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
-    weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb)
+    if trainer is not None:
+        trainer.set_lr(cfg.trainer.lr)
+        if cfg.grpo.kl_coef > 0:  # reference = the policy RL starts from (after SFT)
+            if start > 0 and "ref" not in trainer_state:
+                raise RunDirError(f"{ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
+                                  f"resume with grpo.kl_coef=0")
+            ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
+            ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
+    receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
+    weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=groups.bridge,
+                             receiver=receiver)
     weight_sync()
-    rollout = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
-                           dp_group=groups.dp_group, tp_group=groups.tp_group)
-    if ckpt is not None and "length_history" in loop_state:  # older checkpoints: placement restarts unseen
-        rollout.history.load_state_dict(loop_state["length_history"])
-    sched = _Schedule(cfg, layout.rollout_dp)
     replica = groups.group_index
+    rollout = None
+    if engine is not None:
+        rollout = RolloutStage(engine, inputs, cfg, replica=replica, replicas=layout.rollout_dp,
+                               dp_group=groups.dp_group, tp_group=groups.tp_group)
+        if ckpt is not None and "length_history" in loop_state:  # older checkpoints: placement restarts unseen
+            rollout.history.load_state_dict(loop_state["length_history"])
+    # Elastic rollout TP: tail batching's long rounds on rollout groups of tail.long_rollout_tp.
+    long_stage, long_sync = _long_round_stage(cfg, inputs, layout, trainer, rollout)
+    if long_sync is not None:
+        long_sync()
+    sched = _Schedule(cfg, layout.rollout_dp)
+    if ckpt is not None and engine is not None:  # the learned drafter, its training buffer and strategy bandit
+        sched._drafter_steps = restore_drafter(engine, ckpt, replica, start)
     history = []
     bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress or not rank0, initial=start,
                total=cfg.rl_steps)
     for step in bar:
-        tl = StepTimeline(dims.rank, replica)
-        t0 = tl.t0
         rnd = prompts.round(step)
+        stage = long_stage if rnd.long and long_stage is not None else rollout  # (None: a trainer-only process)
+        tl = StepTimeline(dims.rank, stage.replica if stage is not None else replica)
+        t0 = tl.t0
         next_uids = prompts.next_uids(step, rnd)
         stream = StreamUpdate(trainer, cfg, inputs, ref, defer=sched.defer_stream) if cfg.stream_train else None
         if stream is not None:
             stream.begin()
-        groups = rollout.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
-                             bubble=sched.bubble_fn(rollout, stream, tl, next_uids, step),
-                             low_priority=sched.low_priority, keep=rnd.keep)
-        rollout_metrics = {**rollout.metrics(groups), **prompts.commit(rnd, [g.problem.uid for g in groups])}
-        if cfg.grpo.drop_zero_variance:
-            rollout_metrics["zero_var_dropped"] = len(groups) - len(trained_groups(groups, cfg))
+        groups, rollout_metrics = [], {}
+        if stage is not None:
+            groups = stage.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None,
+                               timeline=tl, bubble=sched.bubble_fn(stage, stream, tl, next_uids, step),
+                               low_priority=sched.low_priority, keep=rnd.keep)
+            rollout_metrics = {**stage.metrics(groups), **prompts.commit(rnd, [g.problem.uid for g in groups])}
+            if long_stage is not None:
+                rollout_metrics["rollout_tp"] = float(stage.engine.tp_size)
+            if cfg.grpo.drop_zero_variance:
+                rollout_metrics["zero_var_dropped"] = len(groups) - len(trained_groups(groups, cfg))
+        if apart:  # the trainers get the step's groups; the generating processes go on with their bubble work
+            groups, rollout_metrics = _from_first_generator(dims, first_gen, (groups, rollout_metrics))
+            if trainer is not None:
+                prompts.commit(rnd, [g.problem.uid for g in groups])
+                tl.end_rollout()
         t1 = time.perf_counter()
-        rollout.wait_bubble()  # a stream-training unit may still be in flight (its time is its own "train")
-        if sched.pregen_after and next_uids is not None:
-            # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
-            # bubble drafts made after the rollout, with the weights that sampled this step.
-            with tl.phase("bubble"):
-                tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1)
-        drafter_metrics = sched.drafter_after_rollout(engine, tl, groups_dp=rollout.dp_group)
-        rollout.share_drafts(step)
+        drafter_metrics = {}
+        if stage is not None:
+            stage.wait_bubble()  # a stream-training unit may still be in flight (its time is its own "train")
+            if sched.pregen_after and next_uids is not None:
+                # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
+                # bubble drafts made after the rollout, with the weights that sampled this step.
+                with tl.phase("bubble"):
+                    tl.bubble_tokens = stage.pregenerate(next_uids, step + 1)
+            drafter_metrics = sched.drafter_after_rollout(stage.engine, tl, groups_dp=stage.dp_group)
+            stage.share_drafts(step)
         t_bubble = time.perf_counter()
-        with tl.phase("train"):
-            metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
+        metrics = {}
+        if trainer is not None:
+            with tl.phase("train"):
+                metrics = stream.finish(groups) if stream is not None else grpo_update(trainer, groups, cfg, inputs, ref)
         t2 = time.perf_counter()
-        with tl.phase("sync"):
-            metrics.update(weight_sync())
+        with tl.phase("sync"):  # into the engine the next round runs on (two with elastic rollout TP)
+            next_long = long_sync is not None and step + 1 < cfg.rl_steps and prompts.round(step + 1).long
+            metrics.update(long_sync() if next_long else weight_sync())
+        if apart:
+            drafter_metrics = _from_first_generator(dims, first_gen, drafter_metrics)
         records = gather_records(tl.record())
+        generating = [r for r in records if r["replica"] >= 0]  # (trainer-only processes have none)
         metrics.update(step=step + 1, **rollout_metrics, **drafter_metrics, rollout_time_s=t1 - t0,
                        bubble_time_s=t_bubble - t1,
                        train_time_s=t2 - t_bubble, step_time_s=time.perf_counter() - t0,
-                       bubble_frac=bubble_fraction(records), bubble_tokens=replica_sum(records, "bubble_tokens"),
-                       bubble_groups=replica_sum(records, "bubble_groups"))
+                       bubble_frac=bubble_fraction(generating), bubble_tokens=replica_sum(generating, "bubble_tokens"),
+                       bubble_groups=replica_sum(generating, "bubble_groups"))
         history.append(metrics)
         if rank0:
             with open(run_dir / "metrics.jsonl", "a") as f:
@@ -184,26 +227,72 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             if cfg.rollout.dump:
                 with open(run_dir / "rollouts.jsonl", "a") as f:
                     f.write(json.dumps(rollout_line(step + 1, groups)) + "\n")
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
         if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-            loop_state = {**prompts.state_dict(), "length_history": rollout.history.state_dict()}
-            save_checkpoint(run_dir, step + 1, trainer.state_dict(), loop_state, keep=cfg.keep_checkpoints,
-                            dims=dims, ref_state=ref.state_dict() if ref is not None else None)
+            lengths_seen = rollout.history.state_dict() if rollout is not None else None
+            if apart:  # rank 0 writes the loop state; the length history lives with the generators
+                lengths_seen = _from_first_generator(dims, first_gen, lengths_seen)
+            loop_state = {**prompts.state_dict(), "length_history": lengths_seen}
+            save_checkpoint(run_dir, step + 1, trainer.state_dict() if trainer is not None else None, loop_state,
+                            keep=cfg.keep_checkpoints, dims=dims, ref_state=ref.state_dict() if ref is not None else None,
+                            rank_files=drafter_files(engine.spec, replica) if engine is not None else None)
         if stop:
             preempt.stop(step + 1)
             break
-    rollout.close()
+    for s in (rollout, long_stage):
+        if s is not None:
+            s.close()
     if preempt is not None and preempt.stopped_at is not None:
         return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
-    export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
-    if rank0:
-        log.info("exported HF checkpoint to %s", run_dir / "hf")
-        if sched.drafter is not None and engine.spec.drafter.model is not None:  # identical on every replica
-            from megarl.spec.drafter import save_drafter
+    if trainer is not None:
+        export_hf(trainer, run_dir / "hf", write_extra=inputs.tokenizer.save_pretrained)  # collective
+        if rank0:
+            log.info("exported HF checkpoint to %s", run_dir / "hf")
+    if apart:
+        dist.barrier()  # the export is in place before a generating process adds the drafter to it
+    if dims.rank == first_gen and sched.drafter is not None and engine.spec.drafter.model is not None:
+        from megarl.spec.drafter import save_drafter  # (identical on every replica)
 
-            save_drafter(engine.spec.drafter.model, run_dir / "hf" / "drafter")
+        save_drafter(engine.spec.drafter.model, run_dir / "hf" / "drafter")
     return history
+
+
+def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine:
+    """This process's rollout engine; with rollout TP its rollout group runs the model tensor-parallel."""
+    policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
+    return Engine(policy, EngineConfig(
+        max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
+        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
+        spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
+
+
+def _long_round_stage(cfg: RunConfig, inputs: RunInputs, layout: Layout, trainer, short: RolloutStage | None):
+    """Elastic rollout TP (``tail.long_rollout_tp``, megarl/rl/tail.py): the rollout stage of tail
+    batching's long rounds, on rollout groups of that TP (created here, on every process), and the
+    weight sync into its engine; (None, None) without it. Placement shares the short rounds'
+    length history."""
+    long_tp = cfg.tail.long_rollout_tp
+    if long_tp in (0, layout.cfg.rollout_tp):
+        return None, None
+    a = inputs.args
+    long_layout = Layout.build(dataclasses.replace(layout.cfg, rollout_tp=long_tp), layout.world_size,
+                               a.num_attention_heads, a.num_key_value_heads, a.num_hidden_layers,
+                               getattr(a, "num_experts", 0) or 0)
+    groups = create_rollout_groups(long_layout)
+    engine = _make_engine(cfg, inputs, long_tp, groups.tp_group)
+    stage = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=long_layout.rollout_dp,
+                         dp_group=groups.dp_group, tp_group=groups.tp_group)
+    stage.history = short.history
+    return stage, WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb)
+
+
+def _from_first_generator(dims, first_gen: int, obj):
+    """``obj`` as the first generating process has it, on every process (disaggregated placement:
+    what the trainers need from the generating side)."""
+    box = [obj if dims.rank == first_gen else None]
+    dist.broadcast_object_list(box, src=first_gen)
+    return box[0]
 
 
 class _Schedule:

@@ -1,4 +1,6 @@
 """Config loading: unknown or ill-typed keys fail before any work, naming the key and the choices."""
+from pathlib import Path
+
 import pytest
 
 from megarl.config import RunConfig, dump_config, load_config
@@ -61,5 +63,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("tiny", "smoke", "tp2", "pp2", "dp2", "moe_ep2"):
-        load_config(f"configs/{name}.yaml")
+    paths = sorted(Path("configs").glob("*.yaml"))
+    assert {"tiny", "smoke", "tp2", "pp2", "dp2", "moe_ep2", "pp2vpp2", "disagg"} <= {p.stem for p in paths}
+    for path in paths:
+        load_config(path)

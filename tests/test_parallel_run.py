@@ -60,6 +60,12 @@ LAYOUTS = {
     # each trainer rank reads its own piece files (one per model chunk).
     "from_mcore_tp2pp2vpp2": (L4 + ",model.init_from_mcore={out}/single_l4_mcore,parallel.trainer_tp=2,"
                               "parallel.trainer_pp=2,parallel.trainer_vpp=2", "from_hf_l4"),
+    # Disaggregated placement: ranks 0-1 train (DP=2; TP=2 below), ranks 2-3 only generate (2 replicas with
+    # speculation and bubble drafts; 1 TP=2 replica below); the groups go to the trainers, the weights back.
+    "disagg_np8_bubble": (NP8 + ",parallel.placement=disaggregated,parallel.rollout_ranks=2,rollout.placement=length,"
+                          + BUBBLE, "single_np8"),
+    "disagg_tp2_rtp2_resumed": ("parallel.placement=disaggregated,parallel.rollout_ranks=2,parallel.trainer_tp=2,"
+                                "parallel.rollout_tp=2,resume_at=2", "single"),
 }
 # Tail batching: 8 prompts started per short round, the first 4 complete kept (1 per replica on 4), the rest
 # queued for a long round. Which prompts make it depends on the replica count, so these runs are compared with
@@ -68,7 +74,9 @@ TAIL = "tail.enabled=true,tail.overprovision=2.0"
 # On 4 replicas: 8 prompts started (2 each, 1 kept each unless both finish at once), responses up to 40 tokens so
 # that prompts finish apart.
 TAIL4 = "tail.enabled=true,tail.overprovision=2.0,rollout.max_new_tokens=40"
-TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_resumed": TAIL4 + ",resume_at=2", "dp4_tail_stream": TAIL4 + ",stream_train=true"}
+# Elastic rollout TP: the long round on 2 rollout groups of TP=2 (short rounds: 4 of TP=1), same samples.
+TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_resumed": TAIL4 + ",resume_at=2", "dp4_tail_stream": TAIL4 + ",stream_train=true",
+             "dp4_tail_elastic": TAIL4 + ",tail.long_rollout_tp=2"}
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "single_tail": TAIL, "moe_single": MOE, "single32": F32, "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8",
           "single_l4": L4, "from_hf_l4": L4 + ",model.init_from_hf={out}/single_l4/hf"}
@@ -85,7 +93,7 @@ def runs(tmp_path_factory):
     # 4 layers: 2 pipeline ranks x 2 virtual stages of one layer each
     hf_to_mcore(out / "single_l4" / "hf", out / "single_l4_mcore", tp=2, pp=2, vpp=2, progress=False)
     torchrun(WORKER, 4, str(out), *(f"{name}={fields.format(out=out)}" for name, (fields, _) in LAYOUTS.items()),
-             *(f"{name}={fields}" for name, fields in TAIL_RUNS.items()))
+             *(f"{name}={fields}" for name, fields in TAIL_RUNS.items()), timeout=900)  # ~20 runs: minutes
     return out
 
 
@@ -161,6 +169,9 @@ def test_tail_batching_is_on_policy_and_repeatable(runs, run):
         queue = m["tail_queue"]
     if run == "single_tail":
         assert [m["tail_long_round"] for m in got] == [0.0, 1.0, 0.0]  # short, long (the queue), short
+    if run == "dp4_tail_elastic":  # the long round ran on the TP=2 groups, the short ones on TP=1
+        assert any(m["tail_long_round"] for m in got)
+        assert [m["rollout_tp"] for m in got] == [1.0 + m["tail_long_round"] for m in got]
     if "stream" not in run:  # (stream training takes its old logprobs from the same forward)
         assert all(m["logprob_diff_max"] <= 1e-9 for m in got)
     if run == "single_tail":
@@ -183,3 +194,19 @@ def test_resumed_run_places_prompts_as_the_uninterrupted_one(runs):
     got, want, rr = (metrics(runs / n) for n in ("dp4_np8_resumed", "dp4_np8", "dp4_np8_rr"))
     assert [m["replica_token_imbalance"] for m in got] == [m["replica_token_imbalance"] for m in want]
     assert want[2]["replica_token_imbalance"] != rr[2]["replica_token_imbalance"]
+
+
+@pytest.mark.multiproc
+def test_disaggregated_runs_split_the_work(runs):
+    """With disaggregated placement the trainers generate nothing and the generating ranks train
+    nothing (their timelines say so), bubble drafts were made and used on the generating side, and
+    every step's weights reached the engines (the sync's checksum, equal on all ranks, is checked
+    inside each sync; here it changes every step)."""
+    got = metrics(runs / "disagg_np8_bubble")
+    assert sum(m["bubble_tokens"] for m in got) > 0 and any(m["target_forwards"] < m["rollout_tokens"] for m in got)
+    assert len({m["weight_checksum"] for m in got}) == 3
+    for line in (json.loads(x) for x in (runs / "disagg_np8_bubble" / "timeline.jsonl").read_text().splitlines()):
+        phases = {r["rank"]: {e["phase"] for e in r["events"]} for r in line["ranks"]}
+        assert [r["replica"] for r in line["ranks"]] == [-1, -1, 0, 1]
+        assert all("generate" not in phases[r] and "train" in phases[r] for r in (0, 1)), phases
+        assert all("generate" in phases[r] and "train" not in phases[r] for r in (2, 3)), phases

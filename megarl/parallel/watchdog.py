@@ -104,6 +104,12 @@ class RankWatchdog:
     """Start after ``init_process_group`` on every rank; use as a context manager around the run
     (or call :meth:`start`, then :meth:`stop` or :meth:`report_failure`)."""
 
+    # Watchdogs started by this process so far: each one keeps its keys under its own number.
+    # Every process starts the same ones in the same order (one per run), so the numbers agree,
+    # and a rank that starts its next run's watchdog while rank 0 is still stopping the last one
+    # (runs one after another in one process group) cannot overwrite the "done" rank 0 waits for.
+    _sessions = 0
+
     def __init__(self, config: WatchdogConfig | None = None):
         self.cfg = config or WatchdogConfig()
         self.rank = self.world_size = 0
@@ -133,7 +139,8 @@ class RankWatchdog:
         # group, and its timeout (bounding waits) is not the group's 30 min.
         client = self._keepalive.clone()
         client.set_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
-        self._store = dist.PrefixStore(_PREFIX, client)
+        RankWatchdog._sessions += 1
+        self._store = dist.PrefixStore(f"{_PREFIX}{RankWatchdog._sessions}/", client)
         self._store.compare_set(_ABORT, "", "")  # create it empty (unless a failure is already there)
         self._beat()
         self._peers = [r for r in range(self.world_size) if r != self.rank]

@@ -11,10 +11,15 @@ the same per-epoch permutations as without tail batching, through a cursor, and 
 and the queue are part of the checkpoint. Which prompts finish first is counted in engine
 iterations, not seconds, so a run repeats bit for bit and resumes exactly.
 
+Elastic rollout TP (``tail.long_rollout_tp``): long rounds are few long responses, decode-latency
+bound, so they run on rollout groups of a larger TP (fewer, faster replicas); short rounds keep
+``parallel.rollout_tp``. Both sets of rollout groups and engines exist from the start; after each
+optimizer step the weight sync fills the engine the next round runs on (megarl/train.py), so a
+switch costs no extra sync. Tokens do not depend on the rollout TP (DESIGN.md §2; tested).
+
 What is not done: response-level over-provisioning (start more than G samples of a prompt and
 keep the first G to finish) would bias each group towards short responses, i.e. change GRPO's
-estimator, so only prompts are over-provisioned. Long rounds run with the run's rollout layout
-(a larger rollout TP for them is issue 6 item 5, elastic rollout TP, not built).
+estimator, so only prompts are over-provisioned.
 """
 from __future__ import annotations
 
@@ -37,7 +42,15 @@ class TailConfig:
     (eta - 1) x prompts_per_step and a long round takes prompts_per_step, so the queue stays
     under 2 x prompts_per_step."""
 
+    long_rollout_tp: int = 0
+    """Rollout TP of long rounds (elastic rollout TP); 0: parallel.rollout_tp, as short rounds. Must
+    divide the rollout processes, the attention and KV heads; colocated placement, without stream
+    training or the learned drafter."""
+
     def __post_init__(self) -> None:
+        if self.long_rollout_tp < 0:
+            raise ValueError(f"tail.long_rollout_tp={self.long_rollout_tp} is invalid; valid: 0 (the run's "
+                             f"parallel.rollout_tp) or a rollout TP size >= 1")
         if not 1.0 <= self.overprovision <= 2.0:
             raise ValueError(f"tail.overprovision={self.overprovision} is invalid; valid range: [1.0, 2.0] (a "
                              f"short round starts at least prompts_per_step prompts; past 2 it could defer more "

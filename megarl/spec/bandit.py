@@ -106,6 +106,28 @@ class StrategyBandit:
             return None
         return self.arms[max((i for i in st.order if st.n[i] > 0), key=lambda i: st.s[i] / st.n[i])]
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """What later choices depend on: per bucket the discounted counts and reward sums, the
+        largest reward, the order of first tries; and the RNG that orders the buckets not met yet.
+        (The figures behind :meth:`metrics` are per step and not included.) Plain python values."""
+        version, internal, gauss = self._rng.getstate()
+        return {"arms": list(self.arms), "rng": [version, list(internal), gauss],
+                "buckets": {b: {"n": list(st.n), "s": list(st.s), "order": list(st.order), "top": st.top}
+                            for b, st in self._buckets.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["arms"]) != list(self.arms):
+            raise ValueError(f"bandit state was saved with arms {list(state['arms'])}; this bandit has "
+                             f"{list(self.arms)}")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._buckets = {}
+        for b, d in state["buckets"].items():
+            st = _Bucket(len(self.arms), list(d["order"]))
+            st.n, st.s, st.top = [float(x) for x in d["n"]], [float(x) for x in d["s"]], float(d["top"])
+            self._buckets[int(b)] = st
+
     def metrics(self) -> dict[str, float]:
         """``spec_strategy/<bucket>/<arm>``: steps that chose the arm; ``.../<arm>_reward``: their
         mean reward (tokens per second)."""

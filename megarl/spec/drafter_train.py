@@ -51,6 +51,32 @@ class HiddenBuffer:
     def __len__(self) -> int:
         return len(self.records)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The records, oldest first, packed into a few tensors (on CPU, in the dtype they were
+        kept in: the rollout's): ``feats`` [N, H], ``toks`` [N], and per record its length and
+        ``resp_start``. About ``tokens x hidden_size x dtype size`` bytes."""
+        recs = list(self.records)
+        if not recs:
+            return {"feats": torch.zeros(0, 0), "toks": torch.zeros(0, dtype=torch.int64),
+                    "lens": torch.zeros(0, dtype=torch.int64), "resp": torch.zeros(0, dtype=torch.int64)}
+        return {"feats": torch.cat([r[0] for r in recs]).cpu(), "toks": torch.cat([r[1] for r in recs]).cpu(),
+                "lens": torch.tensor([r[0].shape[0] for r in recs], dtype=torch.int64),
+                "resp": torch.tensor([r[2] for r in recs], dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device=None, dtype=None) -> None:
+        """Replace the records with saved ones (on ``device`` in ``dtype``); this buffer's own
+        ``max_tokens`` applies (a smaller one drops the oldest, as :meth:`add` does)."""
+        self.records.clear()
+        self.tokens = 0
+        lens = state["lens"].tolist()
+        if not lens:
+            return
+        feats = state["feats"].to(device=device, dtype=dtype)
+        toks = state["toks"].to(device=device)
+        # one tensor per record, as add() keeps them (a view would pin the whole packed tensor)
+        for f, t, r in zip(feats.split(lens), toks.split(lens), state["resp"].tolist()):
+            self.add(f.clone(), t.clone(), int(r))
+
 
 class DrafterTrainer:
     """Adam on the drafter's own weights; the target's embedding and head (``embed_w()``,
@@ -62,6 +88,25 @@ class DrafterTrainer:
         self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.steps = 0
         self.last_loss: float | None = None
+
+    def state_dict(self) -> dict:
+        """Weights, Adam state and the step count (it seeds the batches: :meth:`batch`); the
+        buffer is saved on its own (:meth:`HiddenBuffer.state_dict`)."""
+        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "opt": self.opt.state_dict(), "steps": self.steps, "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = self.model.state_dict()
+        saved = state["model"]
+        if set(saved) != set(own) or any(saved[k].shape != own[k].shape for k in own):
+            raise ValueError("the saved drafter does not fit this run's drafter (another model size?): saved "
+                             f"{ {k: tuple(v.shape) for k, v in saved.items()} }, "
+                             f"this run's { {k: tuple(v.shape) for k, v in own.items()} }")
+        with torch.no_grad():
+            for k, v in saved.items():
+                own[k].copy_(v)
+        self.opt.load_state_dict(state["opt"])  # moves the moments to the parameters' device and dtype
+        self.steps, self.last_loss = int(state["steps"]), state["last_loss"]
 
     def batch(self) -> dict[str, torch.Tensor]:
         """Segments of ``seq_len`` pairs from random records (chosen in proportion to their

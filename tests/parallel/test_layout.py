@@ -93,3 +93,37 @@ def test_rollout_groups_created_on_every_rank(tmp_path):
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)]
     # rank 0 trains only (no rollout group); ranks 1 and 2 form one TP group: 2 + 3 = 5
     assert lines == ["rank 0 group -1 sum 1.0", "rank 1 group 0 sum 5.0", "rank 2 group 0 sum 5.0"]
+
+
+def test_run_layout_check_for_disaggregated_placement(monkeypatch):
+    """A disaggregated run is accepted (trainers first, generating ranks last); stream training is
+    refused with it, naming the fix."""
+    from megarl.config import load_config
+    from megarl.setup_run import check_layout, prepare_inputs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = load_config("configs/smoke.yaml", ["parallel.placement=disaggregated", "parallel.rollout_ranks=1",
+                                             "parallel.trainer_tp=1"])
+    inputs = prepare_inputs(cfg)
+    assert (inputs.layout.trainer_ranks, inputs.layout.rollout_ranks) == ((0, 1, 2), (3,))
+    stream = load_config("configs/smoke.yaml", ["parallel.placement=disaggregated", "parallel.rollout_ranks=1",
+                                                "stream_train=true"])
+    with pytest.raises(ValueError, match="stream_train=true needs parallel.placement=colocated"):
+        check_layout(stream, inputs.args, 4)
+
+
+def test_run_layout_check_for_elastic_rollout_tp(monkeypatch):
+    """tail.long_rollout_tp (elastic rollout TP) needs tail batching and a rollout TP the heads and
+    the world allow; the error names the field."""
+    from megarl.config import load_config
+    from megarl.setup_run import check_layout, prepare_inputs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ok = load_config("configs/smoke.yaml", ["tail.enabled=true", "tail.long_rollout_tp=2"])
+    args = prepare_inputs(ok).args
+    for overrides, match in ((["tail.long_rollout_tp=2"], "does not go with tail.enabled=false"),
+                             (["tail.enabled=true", "tail.long_rollout_tp=2", "stream_train=true"],
+                              "does not go with stream_train=true"),
+                             (["tail.enabled=true", "tail.long_rollout_tp=3"], "parallel.rollout_tp=3 does not divide")):
+        with pytest.raises(ValueError, match=match):
+            check_layout(load_config("configs/smoke.yaml", overrides), args, 4)
