@@ -105,6 +105,21 @@ def lower_thread_priority() -> str:
         return f"unchanged ({e})"
 
 
+def raise_priority(tid: int, group: "AutogroupNice | None") -> None:
+    """Undo :func:`lower_thread_priority` for thread ``tid`` (from any thread) and, if ``group``
+    lowered the process's autogroup, restore its nice value. Best effort: raising a priority can
+    need privileges (root, or RLIMIT_NICE), and without them the work just keeps its priority."""
+    try:
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        elif os.getpriority(os.PRIO_PROCESS, tid) > 0:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except (AttributeError, OSError):
+        pass
+    if group is not None and group.saved is not None:
+        AutogroupNice._write(group.saved)
+
+
 class AutogroupNice:
     """Lower this process's autogroup to nice 19 for a while, then restore it (Linux).
 
@@ -171,11 +186,18 @@ class BubbleWorker:
 
     The caller may go on while the work finishes its last unit: the replicas exchange their
     groups as soon as the last one is done, and a stream-training unit still in flight then
-    overlaps the exchange instead of delaying it (it uses no collective of the exchange's group)."""
+    overlaps the exchange instead of delaying it (it uses no collective of the exchange's group).
+
+    Once the caller waits in :meth:`join`, the unit in flight is on the step's critical path: the
+    thread (and the autogroup) go back to normal priority first. At idle priority on a machine
+    busy with other work it could otherwise wait for a free core indefinitely."""
 
     def __init__(self, fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False):
         self.out: dict = {}
         self._err: list[BaseException] = []
+        self._tid: int | None = None  # the worker's native thread id, once it runs
+        self._group: AutogroupNice | None = None
+        self._lowered = threading.Lock()  # the priority is lowered, or raised back, under it
         self._thread = threading.Thread(target=self._run, args=(fn, low_priority, flush_denormal),
                                         name="megarl-bubble", daemon=True)
         self._thread.start()
@@ -184,8 +206,11 @@ class BubbleWorker:
         global _logged_priority
         if flush_denormal:
             torch.set_flush_denormal(True)
-        how = lower_thread_priority() if low_priority else "normal"
-        with AutogroupNice() if low_priority else contextlib.nullcontext(False) as group_lowered:
+        with self._lowered:  # (join may raise it back right away: not before it was lowered)
+            self._tid = threading.get_native_id()
+            how = lower_thread_priority() if low_priority else "normal"
+            self._group = AutogroupNice() if low_priority else None
+        with self._group if self._group is not None else contextlib.nullcontext(False) as group_lowered:
             if not _logged_priority:
                 log.info("bubble work runs at OS priority: %s%s", how,
                          ", process autogroup nice 19" if group_lowered else "")
@@ -196,6 +221,9 @@ class BubbleWorker:
                 self._err.append(e)
 
     def join(self) -> dict:
+        with self._lowered:
+            if self._thread.is_alive() and self._tid is not None:
+                raise_priority(self._tid, self._group)
         self._thread.join()
         if self._err:
             raise self._err[0]

@@ -177,3 +177,34 @@ def test_autogroup_nice_is_lowered_for_the_bubble_and_restored():
     with AutogroupNice() as lowered:
         assert lowered and AutogroupNice._read() == 19
     assert AutogroupNice._read() == before
+
+
+def test_join_gives_the_unit_in_flight_normal_priority_back():
+    """Once the step waits on the bubble work, the unit in flight is on the critical path: join()
+    moves the thread out of the idle class (and the autogroup back to its nice value) before
+    waiting, so a busy machine cannot starve it."""
+    import os
+
+    from megarl.rl.bubble import AutogroupNice, BubbleWorker
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE on this OS")
+    started, go, seen = threading.Event(), threading.Event(), {}
+    before = AutogroupNice._read()
+
+    def unit():
+        started.set()
+        go.wait(30)  # released only once the caller is in join()
+        seen["policy"], seen["group"] = os.sched_getscheduler(0), AutogroupNice._read()
+        return {}
+
+    worker = BubbleWorker(unit, low_priority=True)
+    assert started.wait(30)
+    if os.sched_getscheduler(worker._tid) != os.SCHED_IDLE:
+        go.set()
+        worker.join()
+        pytest.skip("the bubble thread could not be moved to SCHED_IDLE here")
+    threading.Timer(0.2, go.set).start()
+    worker.join()
+    assert seen["policy"] == os.SCHED_OTHER
+    assert seen["group"] == before  # (restored, or never lowered where it cannot be restored)
