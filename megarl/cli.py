@@ -70,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--from-hf", help="HF folder the runs start from (default: the config's SFT warm-up, run first)")
     b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
 
+    b = bench.add_parser("engine", help="decode tokens/s of the rollout engine (speculation off/on) next to "
+                                        "transformers generate and the memory-bandwidth bound; verify cost")
+    b.add_argument("--json", required=True, help="where to write the figures")
+    b.add_argument("--model-size", default="1.5b", choices=["1.5b", "tiny"],
+                   help="1.5b: Qwen2.5-1.5B shapes (random weights); tiny: a small model for CPU runs")
+    b.add_argument("--batch-sizes", help="comma-separated (default: 1,16,64,256; with --model-size tiny: 1,16,64)")
+    b.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; tiny: 32)")
+    b.add_argument("--new-tokens", type=int, help="tokens sampled per request (default 128; tiny: 32)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    b.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    b.add_argument("--kv-cache", default="both", choices=["slots", "paged", "both"],
+                   help="engine KV cache(s) to measure (default both)")
+    b.add_argument("--hbm-gbps", type=float, default=3350.0,
+                   help="memory bandwidth of the bound, GB/s (default 3350: H100 SXM; only meaningful on a GPU)")
+    b.add_argument("--repeats", type=int, default=2, help="timed runs per figure (the fastest counts)")
+
     from megarl.checkpoint.convert import add_convert_parser
 
     add_convert_parser(sub)
@@ -128,6 +145,19 @@ def _generate(args) -> None:
               f"{m.get('spec/accept_len_mean', 0.0):.2f} tokens per drafted forward", file=sys.stderr)
 
 
+def _bench_engine(args) -> int:
+    """``bench engine`` takes no run config: the model shapes are its flags."""
+    from megarl.bench.engine import bench_engine, format_table, shape_from_args
+
+    try:
+        shape = shape_from_args(args)
+    except ValueError as e:
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(bench_engine(shape, args.json)))
+    return 0
+
+
 def _bench(args, cfg) -> int:
     import json
 
@@ -171,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     export_launch_env()  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
     configure_logging()
+    if args.command == "bench" and args.bench == "engine":
+        return _bench_engine(args)
     from megarl.config import dump_config, load_config
 
     try:

@@ -103,6 +103,10 @@ class RolloutConfig:
     """Engine weights/activations dtype."""
     device: str = "cpu"
     """Engine device (``cpu`` or ``cuda``)."""
+    kv_cache: Literal["slots", "paged"] = "slots"
+    """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
+    fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
+    prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
     placement: Literal["round_robin", "length"] = "round_robin"
     """How a step's prompts are spread over the rollout replicas (multi-process runs):
     ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
@@ -119,6 +123,14 @@ class RolloutConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
 
+
+    def engine_config(self, max_seq_len: int):
+        """The rollout engine's ``EngineConfig`` from this section (``max_seq_len``: the model's
+        context length)."""
+        from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
+
+        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
+                            device=self.device, kv_cache=self.kv_cache)
 
 @dataclass
 class GRPOConfig:

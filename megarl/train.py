@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_checkpoint
 from megarl.config import RunConfig, dump_config
-from megarl.engine import Engine, EngineConfig
+from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
 from megarl.checkpoint.export import export_hf
 from megarl.models.llama import CausalLM
@@ -261,10 +261,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
 def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine:
     """This process's rollout engine; with rollout TP its rollout group runs the model tensor-parallel."""
     policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
-    return Engine(policy, EngineConfig(
-        max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
-        dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed,
-        spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
+    return Engine(policy, cfg.rollout.engine_config(inputs.args.max_position_embeddings), seed=cfg.seed,
+                  spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
 
 
 def _long_round_stage(cfg: RunConfig, inputs: RunInputs, layout: Layout, trainer, short: RolloutStage | None):

@@ -33,6 +33,8 @@ LAYOUTS = {
     "dp4": ("", "single"),
     "tp2pp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2", "single"),
     "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
+    # the paged KV cache (blocks, a group's samples sharing their prompt's blocks) in whole runs
+    "dp4_paged": ("rollout.kv_cache=paged", "single"),
     # rollout TP=2 (2 rollout groups) with a TP2xPP2 trainer
     "tp2pp2_rtp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2,parallel.rollout_tp=2", "single"),
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),

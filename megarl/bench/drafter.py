@@ -30,7 +30,7 @@ import torch
 
 from megarl.bench.schedule import _launch, _read_jsonl, warm_start_overrides
 from megarl.config import RunConfig
-from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+from megarl.engine import Engine, Request, SamplingParams
 from megarl.models.hf_io import load_hf_model
 from megarl.setup_run import prepare_inputs
 from megarl.spec.config import DrafterConfig
@@ -61,8 +61,7 @@ def _variant(model, cfg: RunConfig, reqs, ref, passes: int = 1, **drafter) -> di
     spec_cfg = dataclasses.replace(cfg.spec, enabled=True, **drafter.pop("spec", {}))
     spec_cfg.drafter = DrafterConfig(**{**dataclasses.asdict(cfg.spec.drafter), "enabled": True, **drafter})
     spec = Speculator(spec_cfg)
-    ecfg = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=model.args.max_position_embeddings,
-                        dtype=cfg.rollout.dtype, device=cfg.rollout.device)
+    ecfg = cfg.rollout.engine_config(model.args.max_position_embeddings)
     eng = Engine(model, ecfg, seed=cfg.seed, spec=spec)
     tokens = forwards = 0
     exact = True
@@ -121,9 +120,7 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
     model = load_hf_model(work / "on" / "hf", dtype)
     reqs = _unseen_requests(cfg, inputs, eval_prompts)
-    ref_eng = Engine(model, EngineConfig(max_batch_size=cfg.rollout.max_batch_size,
-                                         max_seq_len=model.args.max_position_embeddings, dtype=cfg.rollout.dtype,
-                                         device=cfg.rollout.device), seed=cfg.seed)
+    ref_eng = Engine(model, cfg.rollout.engine_config(model.args.max_position_embeddings), seed=cfg.seed)
     ref, t_off = [], []
     for step in range(3):
         t0 = time.perf_counter()

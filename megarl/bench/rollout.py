@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from megarl.config import RunConfig
-from megarl.engine import Engine, EngineConfig
+from megarl.engine import Engine
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.weight_sync import WeightSync
@@ -77,9 +77,8 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
             run_sft(trainer, inputs, cfg)
             trainer.reset_optimizer()
         trainer.set_lr(cfg.trainer.lr)
-        engine = Engine(CausalLM(inputs.args), EngineConfig(
-            max_batch_size=cfg.rollout.max_batch_size, max_seq_len=inputs.args.max_position_embeddings,
-            dtype=cfg.rollout.dtype, device=cfg.rollout.device), seed=cfg.seed)
+        engine = Engine(CausalLM(inputs.args), cfg.rollout.engine_config(inputs.args.max_position_embeddings),
+                        seed=cfg.seed)
         weight_sync = WeightSync(trainer, engine)  # planned once, run after every update
         weight_sync()
         stage = RolloutStage(engine, inputs, cfg)

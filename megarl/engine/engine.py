@@ -1,5 +1,5 @@
-"""The native rollout engine: continuous batching over a slot KV cache, Gumbel-max sampling,
-speculative decoding.
+"""The native rollout engine: continuous batching over a KV cache (slots, or paged:
+``EngineConfig.kv_cache``), Gumbel-max sampling, speculative decoding.
 
 One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (DESIGN.md §3):
 - ``admit`` moves waiting requests into free slots, so a freed slot is refilled at once. The
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.engine.kv_cache import KVCache
+from megarl.engine.paged_kv_cache import PagedKVCache
 from megarl.engine.sampler import SamplingParams, token_stats
 from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models.llama import CausalLM
@@ -44,6 +45,7 @@ from megarl.spec.verify import verify
 # that no real step reaches.
 _UNCOUPLED_STEP_BIT = 1 << 31
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_KV_CACHES = ("slots", "paged")
 
 
 @dataclass
@@ -58,6 +60,17 @@ class EngineConfig:
     """Model and cache dtype: one of float32, float64, bfloat16."""
     device: str = "cpu"
     """Device of the model and cache: cpu or cuda (cuda:N also accepted)."""
+    kv_cache: str = "slots"
+    """KV-cache layout: ``slots`` (one max_seq_len row per running request, read in place; the
+    fastest on CPU) or ``paged`` (blocks of ``kv_block_size`` positions per request, freed as
+    requests finish; a GRPO group's samples share their prompt's blocks; Triton decode attention on
+    CUDA). Both give the same tokens."""
+    kv_block_size: int = 16
+    """Positions per block of the paged cache (a power of two; >= 16 for the CUDA kernel)."""
+    num_kv_blocks: int = 0
+    """Blocks in the paged cache's pool; 0 = enough for max_batch_size requests of max_seq_len
+    positions (the slot cache's memory). Fewer blocks admit fewer requests at once: a request is
+    admitted only once the pool can hold its longest possible length."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -68,6 +81,12 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid; valid choices: {sorted(_DTYPES)}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device={self.device!r} is invalid; valid choices: cpu, cuda")
+        if self.kv_cache not in _KV_CACHES:
+            raise ValueError(f"kv_cache={self.kv_cache!r} is invalid; valid choices: {', '.join(_KV_CACHES)}")
+        if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size={self.kv_block_size} is invalid; valid: a power of two")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; valid range: >= 0 (0 = automatic)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -171,8 +190,12 @@ class Engine:
         tp = isinstance(model, TPCausalLM)
         self.tp_size, self.tp_rank = (model.tp_size, model.tp_rank) if tp else (1, 0)
         n_kv = model.local_args.num_key_value_heads if tp else a.num_key_value_heads  # this rank's KV heads
-        self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
-                             n_kv, a.head_dim, self.dtype, self.device)
+        if cfg.kv_cache == "paged":
+            self.cache = PagedKVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len, n_kv, a.head_dim,
+                                      self.dtype, self.device, cfg.kv_block_size, cfg.num_kv_blocks)
+        else:
+            self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
+                                 n_kv, a.head_dim, self.dtype, self.device)
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False
@@ -280,18 +303,28 @@ class Engine:
         return results
 
     def admit(self, waiting: deque, running: list[_Seq]) -> None:
-        """Move waiting requests into free slots (lowest first) and cache their prompts but the
-        last token (which the first decode row feeds): one packed forward over the distinct
-        prompts, whose k/v the other samples of the same prompt then copy."""
+        """Move waiting requests, in order, into free cache rows (lowest first) while the cache
+        can hold them (the paged cache: the blocks of their longest possible length), and cache
+        their prompts but the last token (which the first decode row feeds): one packed forward
+        over the distinct prompts, whose k/v the other samples of the same prompt then share."""
         table = self.cache.table
-        if not waiting or not table.n_free:
-            return
         by_prompt: dict[tuple[int, ...], list[_Seq]] = {}
-        for _ in range(min(len(waiting), table.n_free)):
-            s = waiting.popleft()
-            s.slot = table.allocate()
+        while waiting and table.n_free:
+            s = waiting[0]
+            prompt = tuple(s.req.prompt_ids)
+            # The most positions it caches: prompt + response - 1 (the last token is never fed).
+            longest = min(len(prompt) + s.req.params.max_new_tokens, self.cfg.max_seq_len) - 1
+            shared = len(prompt) - 1 if prompt in by_prompt else 0
+            if not table.can_allocate(longest, shared):
+                if not running and not by_prompt:  # an empty cache cannot hold it: it never will
+                    raise RuntimeError(table.out_of_blocks(table.blocks_needed(longest), (
+                        f"request (uid={s.req.uid}, sample_idx={s.req.sample_idx}) of up to {longest} cached "
+                        f"positions, alone in the cache,")))
+                break
+            waiting.popleft()
+            s.slot = table.allocate(longest, shared)
             running.append(s)
-            by_prompt.setdefault(tuple(s.req.prompt_ids), []).append(s)
+            by_prompt.setdefault(prompt, []).append(s)
         fills = [(p[:-1], seqs) for p, seqs in by_prompt.items() if len(p) > 1]
         if not fills:
             return
@@ -395,6 +428,8 @@ class Engine:
         slots, and keep ``running`` in slot order: the next decode's rows then sit in consecutive
         slots, which attention reads in place instead of gathering (most of a CPU forward's cost
         in the tail of a step, where finished requests leave holes everywhere)."""
+        if not self.cache.needs_compaction:  # the paged cache gathers rows through block tables
+            return
         table = self.cache.table
         by_slot = {s.slot: s for s in running}
         while 0 <= (lo := table.lowest_free()) < (hi := table.highest_used()):

@@ -39,8 +39,14 @@ class SlotTable:
     def n_used(self) -> int:
         return self.max_slots - len(self._free)
 
-    def allocate(self) -> int:
-        """Take the lowest free slot; its cached length starts at 0."""
+    def can_allocate(self, max_positions: int | None = None, shared: int = 0) -> bool:
+        """Whether ``allocate`` would succeed (a slot holds max_seq_len positions: the arguments,
+        which the paged cache's ``BlockTable`` needs, never matter here)."""
+        return bool(self._free)
+
+    def allocate(self, max_positions: int | None = None, shared: int = 0) -> int:
+        """Take the lowest free slot; its cached length starts at 0. (The arguments are the
+        paged ``BlockTable``'s; a slot always has room for max_seq_len positions.)"""
         if not self._free:
             raise RuntimeError(f"no free KV-cache slot (all {self.max_slots} in use)")
         slot = heapq.heappop(self._free)
@@ -102,6 +108,8 @@ class SlotTable:
 
 class KVCache:
     """Preallocated k/v tensors plus their ``SlotTable``."""
+
+    needs_compaction = True  # rows in consecutive slots are read in place (Engine._compact)
 
     def __init__(self, n_layers: int, max_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):

@@ -8,11 +8,13 @@ One launch does every check (starting processes costs more than the tiny models)
    where megarl.models has it, Qwen3 (per-head q/k norms).
 2. ``Engine.generate`` with TP=2 gives the TP=1 engine's responses token for token, with and
    without the speculator, over groups of 4 samples with T=1, top-k, top-p and greedy rows, more
-   requests than slots (slots are refilled and compacted); the same tokens on both ranks.
+   requests than slots (slots are refilled and compacted), and with the paged KV cache; the same
+   tokens on both ranks.
    Weights load both ways: full HF tensors (each rank slices) and pre-sliced pieces.
 3. Ranks given different steps fail on both ranks with a clear error instead of hanging.
 """
 import copy
+import dataclasses
 import random
 import time
 
@@ -112,6 +114,13 @@ def check_engine(group, rank: int) -> None:
         assert [(r.uid, r.sample_idx, r.tokens, r.finish_reason) for r in out] == ref_keys, variant
         for a, b in zip(out, ref):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-10
+
+        if variant == "qwen2_tied":  # the paged cache: each rank's blocks hold its own KV heads
+            paged = Engine(TPCausalLM(ref_model.args, group), dataclasses.replace(cfg, kv_cache="paged", kv_block_size=4),
+                           seed=SEED)
+            assert paged.cache.k.shape[2] == 1
+            paged.load_weights(full)
+            assert [(r.uid, r.sample_idx, r.tokens, r.finish_reason) for r in paged.generate(reqs, STEP)] == ref_keys
 
         spec_eng = Engine(TPCausalLM(ref_model.args, group), cfg, seed=SEED, spec=Speculator(spec_cfg))
         pieces = {k: tp_slice(k, v, rank, 2).contiguous() for k, v in full.items()}
