@@ -12,9 +12,12 @@ process count with the ``cpu`` profile, from what the run really generated:
   target_forwards``) and draft rows per forward (rank 0's ``drafted_tokens`` over its share of
   the target forwards): the acceptance is an input here, what is predicted is the time;
 - bubble work (stream training of finished groups, bubble-draft pre-generation at idle
-  priority), stream training and tail batching as the config has them. A short round's deferred
-  prompts did not leave their lengths in ``rollouts.jsonl``: the slowest groups of the next long
-  round (which runs them) stand in (else the step's own slowest).
+  priority), stream training and tail batching as the config has them. Tail batching: each
+  round's started prompts, in the order the run admitted them, are rebuilt with the run's own
+  ``PromptSchedule`` (megarl/rl/tail.py) fed the prompts each step completed; a short round's
+  deferred prompts left no lengths (they were aborted), so their lengths when a later long round
+  ran them stand in (else the step's slowest). Their place in the order matters: they hold batch
+  rows from the start of the round.
 
 What is compared: mean ``step_time_s`` over the steps after the first (whose figures include
 one-off warm-up), predicted vs measured, and the same for ``rollout_time_s``.
@@ -22,7 +25,6 @@ one-off warm-up), predicted vs measured, and the same for ``rollout_time_s``.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,6 +68,27 @@ def features_of(cfg: dict, nproc: int) -> frozenset:
     return frozenset(f)
 
 
+def _tail_rounds(run_dir: Path, steps: list[tuple], metrics: dict[int, dict], n_prompts: int | None
+                 ) -> dict[int, tuple[list[int], bool]]:
+    """Tail batching's rounds as the run played them: step -> (started prompts in admission
+    order, long round?), from the run's config and the prompts each step completed."""
+    from megarl.config import load_config
+    from megarl.rl.tail import PromptSchedule
+
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    sched = PromptSchedule(cfg, n_prompts or cfg.task.num_prompts)
+    out = {}
+    for step, uids, _ in steps:
+        rnd = sched.round(step - 1)
+        if rnd.long != bool(metrics[step].get("tail_long_round")) or not set(uids) <= set(rnd.uids):
+            raise ValueError(f"{run_dir}: step {step} does not replay as the run played it (long round "
+                             f"{rnd.long}, the run's {metrics[step].get('tail_long_round')}): was the run resumed "
+                             f"with another config, or are rollouts.jsonl and metrics.jsonl from different runs?")
+        out[step] = (list(rnd.uids), rnd.long)
+        sched.commit(rnd, uids)
+    return out
+
+
 def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: int = 12) -> dict:
     """Per-step predicted vs measured figures of one run, and their means (module docstring)."""
     run_dir = Path(run_dir)
@@ -81,15 +104,14 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
     P = cfg["rollout"]["prompts_per_step"]
     plens = _prompt_lengths(run_dir)
     features = frozenset(features_of(cfg, nproc) | ({"spec"} if cfg["spec"].get("enabled") else set()))
-    eta = cfg.get("tail", {}).get("overprovision", 1.25)
     steps = []
     for row in rollouts:
         by_uid: dict[int, list[int]] = defaultdict(list)
         for s in row["samples"]:
             by_uid[s["uid"]].append(len(s["tokens"]))
         steps.append((row["step"], list(by_uid), by_uid))
-    long_rounds = [(step, [by_uid[u] for u in uids]) for step, uids, by_uid in steps
-                   if metrics[step].get("tail_long_round")]
+    rounds = _tail_rounds(run_dir, steps, metrics, len(plens) if plens else None) \
+        if cfg.get("tail", {}).get("enabled") else None
     knobs = StepKnobs(group=G, max_batch=cfg["rollout"]["max_batch_size"])
     history: dict[int, float] = {}
     carry, out = CarryOver(), []
@@ -98,16 +120,18 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
         m = metrics[step]
         keep = None
         lens = [by_uid[u] for u in uids]
-        if "tail" in features and not m.get("tail_long_round"):
-            keep = P
-            n_def = int(m.get("tail_deferred", max(0, math.ceil(eta * P) - P)))
-            nxt = next((g for st, g in long_rounds if st > step), None)
-            if nxt:  # the deferred prompts run in the next long round: its slowest groups stand in
-                extra = sorted(nxt, key=max, reverse=True)[:n_def]
-            else:
-                extra = sorted(lens, key=max, reverse=True)[:n_def]
-            lens = lens + extra
-            uids = uids + [-1 - i for i in range(n_def)]
+        if rounds is not None:
+            started, long_round = rounds[step]
+            keep = None if long_round else P
+            slowest = sorted(lens, key=max, reverse=True)
+            later = [by for st, _, by in steps if st > step]
+            lens, uids, k = [], list(started), 0
+            for u in started:
+                if u in by_uid:
+                    lens.append(by_uid[u])
+                else:  # deferred: its lengths when a later long round ran it
+                    lens.append(next((by[u] for by in later if u in by), slowest[min(k, len(slowest) - 1)]))
+                    k += 1
         lens_a = np.asarray([(list(x) + [1] * G)[:G] for x in lens], dtype=np.int64)
         pl = np.asarray([plens.get(u, prompt_len) if plens else prompt_len for u in uids], dtype=np.int64)
         sl = StepLengths(lens_a, pl, lens_a.mean(axis=1))

@@ -185,3 +185,29 @@ def test_cli_bad_input_names_the_flag(tmp_path, capsys, argv, flag):
     err = capsys.readouterr().err
     assert err.startswith("megarl: error:") and flag in err
     assert not out.exists()
+
+
+def test_replay_rebuilds_tail_rounds_in_admission_order(tmp_path):
+    """The replay rebuilds each tail-batching round's started prompts (completed and deferred, in
+    the run's order) from the config and the prompts each step completed; a run that does not
+    replay (its metrics say another round kind) is refused."""
+    from megarl.config import dump_config, load_config
+    from megarl.rl.tail import PromptSchedule
+    from megarl.sim.replay import _tail_rounds
+
+    cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=4", "tail.enabled=true",
+                             "tail.overprovision=2.0", "rl_steps=6"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    sched, want, steps, metrics = PromptSchedule(cfg, 16), {}, [], {}
+    for step in range(1, 7):
+        rnd = sched.round(step - 1)
+        done = list(rnd.uids) if rnd.long else list(rnd.uids)[1::2][:4]  # a short round keeps 4, defers 4
+        want[step] = (list(rnd.uids), rnd.long)
+        steps.append((step, done, {u: [5] * 8 for u in done}))
+        metrics[step] = {"tail_long_round": float(rnd.long)}
+        sched.commit(rnd, done)
+    assert any(long for _, long in want.values()) and not all(long for _, long in want.values())
+    assert _tail_rounds(tmp_path, steps, metrics, 16) == want
+    metrics[1] = {"tail_long_round": 1.0}
+    with pytest.raises(ValueError, match="does not replay as the run played it"):
+        _tail_rounds(tmp_path, steps, metrics, 16)
