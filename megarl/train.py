@@ -226,7 +226,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                 f.write(json.dumps(timeline_line(step + 1, records, lengths)) + "\n")
             if cfg.rollout.dump:
                 with open(run_dir / "rollouts.jsonl", "a") as f:
-                    f.write(json.dumps(rollout_line(step + 1, groups)) + "\n")
+                    f.write(json.dumps(rollout_line(step + 1, groups, stage.aborted if stage is not None else None))
+                            + "\n")
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", len=f"{metrics['response_len_mean']:.0f}")
         stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
         if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):

@@ -71,6 +71,7 @@ class RolloutStage:
         self.pool = RewardPool(cfg.reward.workers, cfg.reward.sandbox, cfg.reward.adaptive_timeout)
         self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
         self.deferred: list[int] = []  # prompts the last run() left incomplete (tail batching's keep)
+        self.aborted: dict[int, list[Result]] = {}  # ... and their samples as the stop left them
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
@@ -128,11 +129,12 @@ class RolloutStage:
             results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
         g = self.cfg.rollout.group_size
-        groups, self.deferred = [], []
+        groups, self.deferred, self.aborted = [], [], {}
         for k, u in enumerate(uids):
             res = results[k * g:(k + 1) * g]
             if any(r.finish_reason == "aborted" for r in res):
                 self.deferred.append(u)
+                self.aborted[u] = res
             else:
                 groups.append(Group(self.inputs.problems[u], res, rewards[k * g:(k + 1) * g]))
         for grp in groups:
@@ -256,11 +258,18 @@ class RolloutStage:
         }
 
 
-def rollout_line(step: int, groups: list[Group]) -> dict:
-    """One line of ``rollouts.jsonl`` (``rollout.dump``): every sample of the step, in order."""
-    return {"step": step, "samples": [{"uid": r.uid, "sample_idx": r.sample_idx, "tokens": list(r.tokens),
+def rollout_line(step: int, groups: list[Group], aborted: dict[int, list[Result]] | None = None) -> dict:
+    """One line of ``rollouts.jsonl`` (``rollout.dump``): every sample of the step, in order, and
+    (tail batching's short rounds) the deferred prompts' samples as the stop left them: their
+    lengths and finish reasons ("aborted": still running), which the simulator's replay needs
+    (megarl/sim/replay.py: they held batch rows until the stop)."""
+    line = {"step": step, "samples": [{"uid": r.uid, "sample_idx": r.sample_idx, "tokens": list(r.tokens),
                                        "reward": reward, "finish_reason": r.finish_reason}
                                       for g in groups for r, reward in zip(g.results, g.rewards)]}
+    if aborted:
+        line["deferred"] = [{"uid": u, "lengths": [len(r.tokens) for r in res],
+                             "finish_reasons": [r.finish_reason for r in res]} for u, res in aborted.items()]
+    return line
 
 
 class _Scoring:

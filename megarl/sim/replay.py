@@ -15,9 +15,13 @@ process count with the ``cpu`` profile, from what the run really generated:
   priority), stream training and tail batching as the config has them. Tail batching: each
   round's started prompts, in the order the run admitted them, are rebuilt with the run's own
   ``PromptSchedule`` (megarl/rl/tail.py) fed the prompts each step completed; a short round's
-  deferred prompts left no lengths (they were aborted), so their lengths when a later long round
-  ran them stand in (else the step's slowest). Their place in the order matters: they hold batch
-  rows from the start of the round.
+  deferred prompts hold batch rows from the start of the round until its stop: their samples are
+  replayed as ``rollouts.jsonl``'s ``deferred`` entries left them (a finished sample with its
+  length, one still running at the stop with the length cap: it must not finish before the stop,
+  and past it its length makes no difference). Runs dumped before those entries existed fall
+  back to the lengths a later long round gave the prompt (else the step's slowest); that
+  under-predicts short rounds badly (-28% step time), since a regenerated response is often
+  shorter than the one the stop cut.
 
 What is compared: mean ``step_time_s`` over the steps after the first (whose figures include
 one-off warm-up), predicted vs measured, and the same for ``rollout_time_s``.
@@ -105,11 +109,18 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
     plens = _prompt_lengths(run_dir)
     features = frozenset(features_of(cfg, nproc) | ({"spec"} if cfg["spec"].get("enabled") else set()))
     steps = []
+    cap = cfg["rollout"]["max_new_tokens"]
+    aborted: dict[int, dict[int, list[int]]] = {}  # step -> deferred uid -> its samples' lengths for the replay
     for row in rollouts:
         by_uid: dict[int, list[int]] = defaultdict(list)
         for s in row["samples"]:
             by_uid[s["uid"]].append(len(s["tokens"]))
         steps.append((row["step"], list(by_uid), by_uid))
+        # A sample still running at the stop gets the length cap: past the stop, its length is
+        # unknown and makes no difference (the round ends first); a finished one keeps its own.
+        aborted[row["step"]] = {d["uid"]: [cap if why == "aborted" else n
+                                           for n, why in zip(d["lengths"], d["finish_reasons"])]
+                                for d in row.get("deferred", [])}
     rounds = _tail_rounds(run_dir, steps, metrics, len(plens) if plens else None) \
         if cfg.get("tail", {}).get("enabled") else None
     knobs = StepKnobs(group=G, max_batch=cfg["rollout"]["max_batch_size"])
@@ -129,6 +140,8 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
             for u in started:
                 if u in by_uid:
                     lens.append(by_uid[u])
+                elif u in aborted[step]:  # deferred, as the stop left it (runs from before this was dumped: below)
+                    lens.append(aborted[step][u])
                 else:  # deferred: its lengths when a later long round ran it
                     lens.append(next((by[u] for by in later if u in by), slowest[min(k, len(slowest) - 1)]))
                     k += 1

@@ -33,6 +33,7 @@ class DrafterSource:
         self.engine = None
         self.buffer = HiddenBuffer(self.cfg.buffer_tokens)
         self._rows: dict[tuple[int, int], int] = {}
+        self._row_cost: float | None = None
 
     # ------------------------------------------------------------------ set-up
     def attach(self, engine) -> None:
@@ -52,6 +53,20 @@ class DrafterSource:
                     model = Drafter(engine.model.args, c.window)
             self.model = model.to(device=engine.device, dtype=engine.dtype)
             self.trainer = DrafterTrainer(self.model, self.embed_weight, self.head_weight, c, self.buffer)
+
+    @property
+    def row_cost(self) -> float:
+        """Cost of one drafter row relative to one target row, by the weights each reads per
+        token (matmul work; attention over the context is left out): the drafter's own layers
+        plus the shared LM head, against the target's layers plus its LM head."""
+        if self._row_cost is None:
+            tm = self.engine.model
+            target = sum(p.numel() for p in tm.parameters())  # a tied head is counted once, as the embedding
+            if not tm.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
+                target -= tm.model.embed_tokens.weight.numel()
+            own = sum(p.numel() for p in self.model.parameters())
+            self._row_cost = (own + self.head_weight().numel()) / target
+        return self._row_cost
 
     def embed_weight(self) -> torch.Tensor:
         return self.engine.model.model.embed_tokens.weight.detach()

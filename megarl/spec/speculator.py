@@ -20,7 +20,9 @@ With a learned drafter (``spec.drafter.enabled``, megarl/spec/drafter.py) propos
 ``_propose_drafter`` instead: the strategy (fixed, or per batch-size bucket by the bandit of
 megarl/spec/bandit.py) says whether sources and/or the drafter propose, and per request the
 proposal with the longer expected accepted run wins. The drafter's tokens are coupled samples
-(the request's own noise) and are verified like any draft.
+(the request's own noise) and are verified like any draft. Its chain length goes through the
+cost rule too, with the chain's own cost added (``_chain_len``: K drafter forwards, priced by
+the drafter's weights per row relative to the target's), so at large batches it drafts nothing.
 """
 from __future__ import annotations
 
@@ -206,9 +208,9 @@ class Speculator:
                 best[b] = p if p is not None and p.tokens else None
         dk = min(dk, cap)
         d_rate = self.accept_rate("drafter", True)
-        if log_thr is not None and dk > 0 and d_rate < 1.0:  # the cost rule, before drafting (same for every row)
-            dk = min(dk, int(log_thr / math.log(d_rate)) if d_rate > 0 else 0)
         need = [b for b in range(len(reqs)) if room[b] > 0 and not (best[b] is not None and best[b].coupled)]
+        if a > 0 and dk > 0 and need:  # the cost rule, before drafting (same for every row)
+            dk = self._chain_len(dk, len(need), n_rows, d_rate)
         if dk > 0 and need:
             chains = self.drafter.draft([reqs[b] for b in need], [tokens[b] for b in need], dk)
             for b, chain in zip(need, chains):
@@ -225,6 +227,26 @@ class Speculator:
             self._k.setdefault((req.uid, req.sample_idx), self.cfg.k_init)
             drafts.append(p.tokens)
         return drafts
+
+    def _chain_len(self, k_max: int, m: int, n: int, rate: float) -> int:
+        """Drafter chain length in [0, k_max] for ``m`` of ``n`` running requests that maximises
+        the expected saving net of its cost, in units of one target token row: an accepted token
+        saves (a + n) / n (its row and a share of a forward); drafting k tokens costs k verify rows
+        per request plus the chain itself, k drafter forwards over the m requests whose first
+        step also reads each request's window: f * (k * a + m * (window + k - 1)), with f the
+        drafter's cost per row relative to the target's (parameter counts, ``row_cost``). Unlike a
+        draft source's lookup, the chain is not free: without its cost here the drafter arms
+        draft at every batch size and lose to "off" wherever a forward is not mostly fixed cost."""
+        a = self.cfg.forward_cost_tokens
+        f, w = self.drafter.row_cost, self.drafter.model.window
+        gain = m * (a + n) / n
+        best_k, best, expected = 0, 0.0, 0.0
+        for k in range(1, k_max + 1):
+            expected += rate ** k
+            net = gain * expected - (k * m + f * (k * a + m * (w + k - 1)))
+            if net > best:
+                best_k, best = k, net
+        return best_k
 
     # ------------------------------------------------------------------ helpers
     def _best(self, req, tokens: list[int], k: int) -> Proposal | None:

@@ -10,7 +10,7 @@ from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig
 from megarl.rl.batching import make_batch
 from megarl.rl.data import epoch_order
-from megarl.rl.rollout import RolloutStage
+from megarl.rl.rollout import RolloutStage, rollout_line
 from megarl.rl.tail import Round, TailBatcher, TailConfig
 from megarl.rl.update import _logprob_diff_max, ref_token_logprobs
 from megarl.setup_run import prepare_inputs
@@ -87,6 +87,15 @@ def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():
     longest = {u: max(len(r.tokens) for r in g.results) for u, g in full.items()}
     assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.deferred)
     assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
+    # rollouts.jsonl's deferred entries (the simulator's replay): each deferred prompt's samples as
+    # the stop left them: finished ones whole, running ones a strict prefix of their full response
+    line = rollout_line(2, kept, stage.aborted)
+    assert [d["uid"] for d in line["deferred"]] == stage.deferred
+    for d in line["deferred"]:
+        full_lens = [len(r.tokens) for r in full[d["uid"]].results]
+        assert "aborted" in d["finish_reasons"]
+        for n, why, n_full in zip(d["lengths"], d["finish_reasons"], full_lens):
+            assert n < n_full if why == "aborted" else n == n_full
     stage.close()
 
 

@@ -168,6 +168,35 @@ def test_bandit_picks_the_better_arm_and_is_deterministic():
     assert bucket_of(1) == 1 and bucket_of(3) == 4 and bucket_of(256) == 256
 
 
+def test_chain_cost_rule_drafts_for_small_batches_only():
+    """The drafter's cost rule counts its own chain: the row cost is the drafter's weights per
+    token over the target's (a head counted once, tied or not), and the chain length it allows
+    shrinks with the batch and grows with the acceptance rate; on the tiny model's shapes a
+    well-accepted drafter drafts at batch 1 and is off at batch 64."""
+    def spec_for(tied):
+        eng = _drafter_engine(CausalLM(ModelArgs(**{**ARGS, "tie_word_embeddings": tied})), cost=80.0)
+        eng.spec.attach(eng)
+        return eng.spec
+
+    tied, untied = spec_for(True), spec_for(False)
+    d = tied.drafter
+    layer = sum(p.numel() for p in d.model.layer.parameters())
+    h, v = ARGS["hidden_size"], ARGS["vocab_size"]
+    want = (2 * h * h + h + layer + h + v * h) / (ARGS["num_hidden_layers"] * layer + h + v * h)
+    assert d.row_cost == pytest.approx(want) and untied.drafter.row_cost == pytest.approx(want)
+    rates = (0.0, 0.3, 0.6, 0.8, 0.95)
+    table = {n: [tied._chain_len(8, n, n, r) for r in rates] for n in (1, 2, 4, 8, 16, 32, 64, 256)}
+    assert all(row[0] == 0 for row in table.values())
+    for row in table.values():  # more acceptance, longer chains
+        assert row == sorted(row)
+    for n, bigger in zip(list(table), list(table)[1:]):  # bigger batches, shorter chains
+        assert all(a >= b for a, b in zip(table[n], table[bigger]))
+    assert table[1][-1] > 0 and table[64] == [0] * len(rates)
+    # without its chain cost the same drafter would draft at batch 64 (the rule it replaces)
+    d._row_cost = 0.0
+    assert tied._chain_len(8, 64, 64, 0.95) > 0
+
+
 def test_export_round_trip_gives_the_same_proposals(tmp_path):
     eng = _drafter_engine(_target(), max_batch_size=8)
     eng.generate(_requests(range(8)), step=0)

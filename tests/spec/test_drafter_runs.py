@@ -22,8 +22,9 @@ from tests.stream_train.launch import torchrun
 WORKER = Path(__file__).with_name("drafter_run_worker.py")
 BASE = "rl_steps=3,rollout.max_new_tokens=24,rollout.dump=true"
 # Speculation with the group source and the drafter; drafter training in bubbles (a one-replica
-# run has none: it takes spec.drafter.steps_after_rollout steps after each rollout instead).
-DRAFTER = (BASE + ",spec.enabled=true,spec.sources=[group],spec.drafter.enabled=true,"
+# run has none: it takes spec.drafter.steps_after_rollout steps after each rollout instead). No
+# cost rule: it would keep a barely trained drafter from drafting at these batch sizes.
+DRAFTER = (BASE + ",spec.enabled=true,spec.sources=[group],spec.drafter.enabled=true,spec.forward_cost_tokens=0,"
            "schedule.bubble_work=[drafter_train],schedule.bubble_priority=normal")
 SINGLE = {"plain": BASE, "bandit": DRAFTER + ",spec.drafter.strategy=bandit",
           "bandit_resumed": DRAFTER + ",spec.drafter.strategy=bandit,resume_at=2"}
