@@ -31,11 +31,8 @@ BUBBLE = "spec.enabled=true,spec.bubble_pregen=true,spec.forward_cost_tokens=0,s
 # and with TP groups as rollout groups, bubble work with stream training (both kinds of bubble work).
 LAYOUTS = {
     "dp4": ("", "single"),
-    "tp2pp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2", "single"),
     "moe_ep2": (MOE + ",parallel.trainer_ep=2", "moe_single"),
-    # the paged KV cache (blocks, a group's samples sharing their prompt's blocks) in whole runs
-    "dp4_paged": ("rollout.kv_cache=paged", "single"),
-    # rollout TP=2 (2 rollout groups) with a TP2xPP2 trainer
+    # rollout TP=2 (2 rollout groups) with a TP2xPP2 trainer (TP2xPP2 alone: from_hf_tp2pp2 below)
     "tp2pp2_rtp2": ("parallel.trainer_tp=2,parallel.trainer_pp=2,parallel.rollout_tp=2", "single"),
     "dp4_stream32": (F32 + ",stream_train=true", "single32"),
     # Stream training with a TP=2 trainer whose TP groups are the rollout groups (DP=2).
@@ -46,7 +43,9 @@ LAYOUTS = {
     # Resumed after step 2: the length history is in the checkpoint, so step 3 is placed as in dp4_np8.
     "dp4_np8_resumed": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=length,resume_at=2",
                         "single_np8"),
-    "dp4_np8_rr": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin", "single_np8"),
+    # ... with the paged KV cache (blocks, a group's samples sharing their prompt's blocks): a whole run's tokens
+    "dp4_np8_rr_paged": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin,"
+                         "rollout.kv_cache=paged", "single_np8"),
     # Issue 6's exactness: length placement + bubble work (pre-generated bubble drafts used by the next step's
     # speculation; stream training of finished groups in the idle replicas) vs. none: same samples, same weights.
     "dp4_np8_bubble_stream": (NP8 + ",rollout.placement=length,stream_train=true," + BUBBLE, "single_np8"),
@@ -77,7 +76,7 @@ TAIL = "tail.enabled=true,tail.overprovision=2.0"
 # that prompts finish apart.
 TAIL4 = "tail.enabled=true,tail.overprovision=2.0,rollout.max_new_tokens=40"
 # Elastic rollout TP: the long round on 2 rollout groups of TP=2 (short rounds: 4 of TP=1), same samples.
-TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_resumed": TAIL4 + ",resume_at=2", "dp4_tail_stream": TAIL4 + ",stream_train=true",
+TAIL_RUNS = {"dp4_tail": TAIL4, "dp4_tail_stream_resumed": TAIL4 + ",stream_train=true,resume_at=2",
              "dp4_tail_elastic": TAIL4 + ",tail.long_rollout_tp=2"}
 # Single-process runs: the references, and stream training in one process.
 SINGLE = {"single": "", "single_tail": TAIL, "moe_single": MOE, "single32": F32, "stream32": F32 + ",stream_train=true", "from_hf_single": "model.init_from_hf={out}/single/hf", "single_np8": "task.num_prompts=16,rollout.prompts_per_step=8",
@@ -193,7 +192,7 @@ def test_resumed_run_places_prompts_as_the_uninterrupted_one(runs):
     """Length placement after a resume uses the checkpointed history: step 3 (step 1's prompts
     again) gives each replica the same tokens as in the uninterrupted run, and the two placements
     do differ from round robin's there (so the check means something)."""
-    got, want, rr = (metrics(runs / n) for n in ("dp4_np8_resumed", "dp4_np8", "dp4_np8_rr"))
+    got, want, rr = (metrics(runs / n) for n in ("dp4_np8_resumed", "dp4_np8", "dp4_np8_rr_paged"))
     assert [m["replica_token_imbalance"] for m in got] == [m["replica_token_imbalance"] for m in want]
     assert want[2]["replica_token_imbalance"] != rr[2]["replica_token_imbalance"]
 
