@@ -1,12 +1,14 @@
 """``megarl bench drafter``: the learned drafter (issue 7), trained in bubbles, measured in one run.
 
 1. The config's SFT warm-up, once, on one process (or ``--from-hf``).
-2. Two RL runs of ``--steps`` steps on ``--nproc`` processes (``torchrun``, the config's layout)
+2. RL runs of ``--steps`` steps on ``--nproc`` processes (``torchrun``, the config's layout)
    from that policy, identical but for ``drafter_train`` in ``schedule.bubble_work``: ``off``
    never trains the drafter, ``on`` trains it in its replicas' bubbles and exports it to
    ``hf/drafter``. Both capture hidden states and draft with the sources only
-   (``spec.drafter.strategy=sources``), so the two runs do the same rollout work and
-   ``step_time_ratio`` (mean step time on / off) is the cost of bubble-time training alone.
+   (``spec.drafter.strategy=sources``), so they do the same rollout work and
+   ``step_time_ratio`` (mean step time on / off) is the cost of bubble-time training alone. Each
+   kind runs twice, in the order off, on, on, off (``ORDER``): the machine's drift cancels;
+   ``train_time_ratio`` (the trainer's work is identical in all four) shows what is left of it.
 3. In this process, on prompts never seen before (uids past the prompt set: neither SFT, RL,
    history nor bubble drafts have met them), with the ``on`` run's final policy, at the config's
    temperature: generation with speculation off (the reference), with an untrained drafter and
@@ -43,6 +45,9 @@ RUNS = {
 }
 COMMON = ["sft.steps=0", "checkpoint_every=0", "progress=false", "spec.enabled=true", "spec.bubble_pregen=false",
           "stream_train=false", "spec.drafter.enabled=true", "spec.drafter.strategy=sources"]
+# off, on, on, off: this machine's speed drifts by several percent over minutes, and the mirrored
+# order cancels a linear drift out of the on/off ratio (each kind's steps are averaged over its two runs).
+ORDER = ("off", "on", "on2", "off2")
 UNSEEN_UID0 = 1_000_000  # problem uids from here on are outside any prompt set of the default task
 
 
@@ -96,20 +101,27 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
                     "temperature": cfg.rollout.temperature, "eval_prompts": eval_prompts,
                     "group_size": cfg.rollout.group_size, "drafter": dataclasses.asdict(cfg.spec.drafter)}
     base = warm_start_overrides("bench drafter", config, cfg, overrides, work, from_hf, report, steps, COMMON)
-    for name, extra in RUNS.items():
-        print(f"bench drafter: RL run with drafter training {name} ({nproc} processes, {steps} steps)", flush=True)
-        wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
+    for name in ORDER:
+        kind = name.rstrip("2")
+        print(f"bench drafter: RL run with drafter training {kind} ({nproc} processes, {steps} steps) -> {name}",
+              flush=True)
+        wall = _launch(nproc, config, [*base, *RUNS[kind]], work / name, work / f"{name}.log")
         metrics = _read_jsonl(work / name / "metrics.jsonl")
         report[f"run_{name}"] = {"wall_s": wall, "step_time_s": float(np.mean([m["step_time_s"] for m in metrics])),
                                  "rollout_time_s": float(np.mean([m["rollout_time_s"] for m in metrics])),
+                                 "train_time_s": float(np.mean([m["train_time_s"] for m in metrics])),
                                  "bubble_frac": float(np.mean([m["bubble_frac"] for m in metrics])),
                                  "drafter_train_steps": [m.get("drafter_train_steps", 0) for m in metrics],
                                  "drafter_loss": [m.get("drafter_loss") for m in metrics],
                                  "step_time_s_each": [m["step_time_s"] for m in metrics]}
-    report["step_time_ratio"] = report["run_on"]["step_time_s"] / report["run_off"]["step_time_s"]
-    # The two runs sample the same tokens step by step: per-step ratios pair equal work (robust to a slow step).
-    report["step_time_ratio_median_paired"] = float(np.median(
-        np.array(report["run_on"]["step_time_s_each"]) / np.array(report["run_off"]["step_time_s_each"])))
+    each = {k: np.array([report[f"run_{n}"]["step_time_s_each"] for n in ORDER if n.rstrip("2") == k]).mean(axis=0)
+            for k in RUNS}
+    report["step_time_ratio"] = float(each["on"].mean() / each["off"].mean())
+    # The runs sample the same tokens step by step: per-step ratios pair equal work (robust to a slow step).
+    report["step_time_ratio_median_paired"] = float(np.median(each["on"] / each["off"]))
+    # The trainer's work is the same in every run (same samples): its on/off ratio is the machine's drift.
+    report["train_time_ratio"] = float(np.mean([report[f"run_{n}"]["train_time_s"] for n in ("on", "on2")])
+                                       / np.mean([report[f"run_{n}"]["train_time_s"] for n in ("off", "off2")]))
 
     print("bench drafter: unseen prompts, speculation off / untrained / bubble-trained drafter", flush=True)
     trained = work / "on" / "hf" / "drafter"

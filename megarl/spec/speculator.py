@@ -23,6 +23,8 @@ proposal with the longer expected accepted run wins. The drafter's tokens are co
 (the request's own noise) and are verified like any draft. Its chain length goes through the
 cost rule too, with the chain's own cost added (``_chain_len``: K drafter forwards, priced by
 the drafter's weights per row relative to the target's), so at large batches it drafts nothing.
+Under the bandit strategy an arm's chain length is used as it is (the bandit prices it by
+measurement; a model-trimmed arm would be indistinguishable from ``off``).
 """
 from __future__ import annotations
 
@@ -209,7 +211,9 @@ class Speculator:
         dk = min(dk, cap)
         d_rate = self.accept_rate("drafter", True)
         need = [b for b in range(len(reqs)) if room[b] > 0 and not (best[b] is not None and best[b].coupled)]
-        if a > 0 and dk > 0 and need:  # the cost rule, before drafting (same for every row)
+        # The cost rule, before drafting (same for every row); under the bandit the arm's chain length
+        # stands: the bandit measures what a chain costs, and trimmed arms would all look alike.
+        if a > 0 and dk > 0 and need and self.bandit is None:
             dk = self._chain_len(dk, len(need), n_rows, d_rate)
         if dk > 0 and need:
             chains = self.drafter.draft([reqs[b] for b in need], [tokens[b] for b in need], dk)
