@@ -3,6 +3,12 @@
     .venv/bin/python -m megarl.cli bench schedule --config configs/tiny.yaml --nproc N --tail --work-dir D --json D.json
     .venv/bin/python benchmarks/validate_sim.py D [D2 ...] [--profile cpu] [--json OUT]
 
+This machine's speed drifts by up to ~30% over tens of minutes, so a profile calibrated at another
+time shifts every error alike. Calibrate right before and right after the runs
+(``benchmarks/calibrate_sim.py --from-hf SFT_HF --out A.json`` ... ``--out B.json``) and pass
+``--profile A.json --profile B.json``: predictions are the mean of the two, each one's step
+prediction is printed too (their spread is the drift over the runs).
+
 For each work dir (its ``baseline``, ``megarl`` and ``tail`` runs; the process count is read
 from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
 the simulator with the calibrated ``cpu`` profile (megarl/sim/replay.py: the run's own response
@@ -24,17 +30,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work_dirs", nargs="+", help="bench schedule --work-dir folders")
     ap.add_argument("--nproc", type=int, default=None, help="processes of the runs (default: from <work dir>.json)")
-    ap.add_argument("--profile", default="cpu", help="simulator profile (default cpu)")
+    ap.add_argument("--profile", action="append", default=None,
+                    help="simulator profile (default cpu); give it twice, calibrated just before and just after "
+                         "the runs, and predictions are the mean of the two (the spread is printed: the machine's "
+                         "drift over the runs)")
     ap.add_argument("--json", default=None, help="also write every step's figures here")
     args = ap.parse_args()
     from megarl.sim.hardware import load_profile
     from megarl.sim.replay import replay_run
     from megarl.utils.fs import atomic_write_text
 
-    profile = load_profile(args.profile)
+    profiles = [load_profile(p) for p in (args.profile or ["cpu"])]
     rows, worst = [], 0.0
     print(f"{'runs':<28} {'variant':<9} {'procs':>5} {'step meas':>9} {'step pred':>9} {'err':>7} "
-          f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17}")
+          f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17}"
+          + (f" {'step pred per profile':>22}" if len(profiles) > 1 else ""))
     for d in map(Path, args.work_dirs):
         nproc = args.nproc
         if nproc is None:
@@ -45,17 +55,31 @@ def main() -> int:
         for variant in ("baseline", "megarl", "tail"):
             if not (d / variant / "metrics.jsonl").is_file():
                 continue
-            r = replay_run(d / variant, nproc, profile)
-            s = r["summary"]
+            each = [replay_run(d / variant, nproc, p) for p in profiles]
+            per = [e["summary"] for e in each]
+            s = _mean_summary(per)
+            r = {**each[0], "summary": s, **({"per_profile": per} if len(per) > 1 else {})}
             worst = max(worst, abs(s["step_rel_err"]))
             rows.append({"work_dir": str(d), "variant": variant, "nproc": nproc, **r})
             print(f"{str(d)[-28:]:<28} {variant:<9} {nproc:>5} {s['meas_step_s']:>9.3f} {s['pred_step_s']:>9.3f} "
                   f"{s['step_rel_err']:>+7.1%} {s['meas_rollout_s']:>12.3f} {s['pred_rollout_s']:>12.3f} "
-                  f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f}")
+                  f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f}"
+                  + (" " + " / ".join(f"{x['pred_step_s']:.3f}" for x in per) if len(per) > 1 else ""))
     print(f"worst |step error|: {worst:.1%} (target 20%)")
     if args.json:
         atomic_write_text(args.json, json.dumps(rows, indent=1) + "\n")
     return 0
+
+
+def _mean_summary(summaries: list[dict]) -> dict:
+    """The predictions averaged over profiles (measured figures are the same in each), errors redone."""
+    out = dict(summaries[0])
+    for k in out:
+        if k.startswith("pred_"):
+            out[k] = sum(x[k] for x in summaries) / len(summaries)
+    out["step_rel_err"] = out["pred_step_s"] / out["meas_step_s"] - 1.0
+    out["rollout_rel_err"] = out["pred_rollout_s"] / out["meas_rollout_s"] - 1.0
+    return out
 
 
 if __name__ == "__main__":
