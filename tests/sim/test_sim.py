@@ -211,3 +211,47 @@ def test_replay_rebuilds_tail_rounds_in_admission_order(tmp_path):
     metrics[1] = {"tail_long_round": 1.0}
     with pytest.raises(ValueError, match="does not replay as the run played it"):
         _tail_rounds(tmp_path, steps, metrics, 16)
+
+
+def test_replay_runs_deferred_prompts_as_the_stop_left_them(tmp_path):
+    """A short round ends when its quota of prompts is complete; its deferred prompts held rows
+    until then. Replayed from ``rollouts.jsonl``'s ``deferred`` entries (samples still running at
+    the stop never finish first), the round lasts until the kept prompt with the 50-token sample
+    is done; the fallback (the lengths a later long round regenerated, here 5) ends it early."""
+    from megarl.config import dump_config, load_config
+    from megarl.rl.tail import PromptSchedule
+    from megarl.sim.replay import replay_run
+
+    cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                             "tail.enabled=true", "tail.overprovision=2.0", "rl_steps=2",
+                             "rollout.max_new_tokens=200", "stream_train=false"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    sched = PromptSchedule(cfg, 16)
+    short = sched.round(0)  # 4 prompts started, the first 2 complete kept
+    kept, deferred = short.uids[:2], short.uids[2:]
+    sched.commit(short, kept)
+    long = sched.round(1)
+    assert not short.long and long.long and sorted(long.uids) == sorted(deferred)
+
+    def sample(u, i, n, why="stop"):
+        return {"uid": u, "sample_idx": i, "tokens": [3] * n, "reward": 0.0, "finish_reason": why}
+
+    step1 = {"step": 1, "samples": [sample(kept[0], 0, 50), sample(kept[0], 1, 20),
+                                    sample(kept[1], 0, 10), sample(kept[1], 1, 10)]}
+    step2 = {"step": 2, "samples": [sample(u, i, 5) for u in long.uids for i in range(2)]}
+    metrics = [{"step": s, "step_time_s": 1.0, "rollout_time_s": 0.5, "train_time_s": 0.5,
+                "tail_long_round": float(s == 2), "bubble_frac": 0.0} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    profile = LinearProfile(cores=None)
+
+    def replay(first_line):
+        (tmp_path / "rollouts.jsonl").write_text(json.dumps(first_line) + "\n" + json.dumps(step2) + "\n")
+        return replay_run(tmp_path, 1, profile)["steps"][0]["pred_gen_s"]
+
+    old = replay(step1)  # a run dumped before the deferred entries existed
+    # at the stop (the 50-token sample's end) one deferred prompt had a finished 12-token sample
+    step1["deferred"] = [{"uid": deferred[0], "lengths": [12, 50], "finish_reasons": ["stop", "aborted"]},
+                         {"uid": deferred[1], "lengths": [50, 50], "finish_reasons": ["aborted", "aborted"]}]
+    new = replay(step1)
+    assert new >= 50 * profile.decode_a  # at least the 50 iterations of the longest kept sample
+    assert old < 12 * profile.decode_a + profile.prefill_a + 1e-9 < new  # the fallback stopped after ~10
