@@ -70,8 +70,8 @@ class RolloutStage:
         self.history = LengthHistory()
         self.pool = RewardPool(cfg.reward.workers, cfg.reward.sandbox, cfg.reward.adaptive_timeout)
         self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
-        self.deferred: list[int] = []  # prompts the last run() left incomplete (tail batching's keep)
-        self.aborted: dict[int, list[Result]] = {}  # ... and their samples as the stop left them
+        # Prompts the last run() left incomplete (tail batching's keep), with their samples as the stop left them.
+        self.aborted: dict[int, list[Result]] = {}
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
@@ -129,17 +129,21 @@ class RolloutStage:
             results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
         g = self.cfg.rollout.group_size
-        groups, self.deferred, self.aborted = [], [], {}
+        groups, self.aborted = [], {}
         for k, u in enumerate(uids):
             res = results[k * g:(k + 1) * g]
             if any(r.finish_reason == "aborted" for r in res):
-                self.deferred.append(u)
                 self.aborted[u] = res
             else:
                 groups.append(Group(self.inputs.problems[u], res, rewards[k * g:(k + 1) * g]))
         for grp in groups:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
+
+    @property
+    def deferred(self) -> list[int]:
+        """The prompts the last run() left incomplete, in ``uids`` order."""
+        return list(self.aborted)
 
     def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
         """Bubble work until every replica is done, then every replica's results and rewards to
