@@ -115,14 +115,15 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
                                  "drafter_train_steps": [m.get("drafter_train_steps", 0) for m in metrics],
                                  "drafter_loss": [m.get("drafter_loss") for m in metrics],
                                  "step_time_s_each": [m["step_time_s"] for m in metrics]}
-    each = {k: np.array([report[f"run_{n}"]["step_time_s_each"] for n in ORDER if n.rstrip("2") == k]).mean(axis=0)
-            for k in RUNS}
+    of_kind = {k: [n for n in ORDER if n.rstrip("2") == k] for k in RUNS}
+    each = {k: np.array([report[f"run_{n}"]["step_time_s_each"] for n in names]).mean(axis=0)
+            for k, names in of_kind.items()}
     report["step_time_ratio"] = float(each["on"].mean() / each["off"].mean())
     # The runs sample the same tokens step by step: per-step ratios pair equal work (robust to a slow step).
     report["step_time_ratio_median_paired"] = float(np.median(each["on"] / each["off"]))
     # The trainer's work is the same in every run (same samples): its on/off ratio is the machine's drift.
-    report["train_time_ratio"] = float(np.mean([report[f"run_{n}"]["train_time_s"] for n in ("on", "on2")])
-                                       / np.mean([report[f"run_{n}"]["train_time_s"] for n in ("off", "off2")]))
+    train = {k: np.mean([report[f"run_{n}"]["train_time_s"] for n in names]) for k, names in of_kind.items()}
+    report["train_time_ratio"] = float(train["on"] / train["off"])
     # Drafter training happens in the rollout phase's bubbles only (joined before the trainer runs), so
     # the trainer's ratio is the machine's speed between the runs; dividing it out leaves the training's cost.
     report["step_time_ratio_drift_corrected"] = report["step_time_ratio"] / report["train_time_ratio"]
