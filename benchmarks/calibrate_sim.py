@@ -25,11 +25,14 @@ they cannot separate a from b, since every real step has about the same batch pr
 them the synthetic grid under-predicts real rollouts by ~15-25% (requests finishing at different
 times cost host work the grid does not have).
 
-3. **Contention**: the same decode loop in 1 and in 2 processes at once (2 cores): the ratio is
-   ``slowdown["2"]`` (two processes computing side by side are slower than one alone: shared
-   caches and memory bandwidth). 4 processes at once are also timed, as a check of the
-   processor-sharing rule (megarl/sim/share.py predicts 2x slowdown["2"]); it is reported in
-   ``meta``, not fitted.
+3. **Contention**: the same decode loop in 1, 2 and 4 processes at once (2 cores), each in its own
+   session as torchrun starts them: ``slowdown["2"]`` is the 2-process time over one alone
+   (shared caches and memory bandwidth), ``slowdown["4"]`` the 4-process time over one alone
+   and over time-sharing (4 / cores): 4 processes on 2 cores cost ~1.3x more than the split
+   (context switches refill the caches). megarl/sim/share.py interpolates between them.
+4. **Bubble interference**: the decode loop of 2 processes beside 2 idle-priority workers (the
+   priority megarl's bubble work gets) doing stream training's forward/backward passes, or
+   decoding (pre-generation), over the same 2 processes alone: ``bubble_interference`` by kind.
 
 The machine's load average before and after goes into ``meta``: other work on the cores
 inflates every figure.
@@ -207,6 +210,20 @@ def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
     return max(0.0, y0 - b * x0) / 2, b  # half the fixed part: the other half is the decode row's iteration
 
 
+def _train_batch(rng, vocab: int, n: int, w: int) -> dict:
+    """``n`` rows of ``w`` random tokens, the first 10 a prompt (no loss)."""
+    import torch
+
+    ids = torch.as_tensor(rng.integers(3, vocab, (n, w)), dtype=torch.long)
+    mask = torch.zeros((n, w - 1))
+    mask[:, 10:] = 1.0
+    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.ones(n)}
+
+
+def _tiny_loss(logprobs, m):
+    return (-(logprobs * m["loss_mask"]).sum() * 1e-6, {})
+
+
 def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
     import torch
 
@@ -220,15 +237,8 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
         trainer = Trainer(inputs.args, cfg.trainer, dims, seed=0, hf_dir=inputs.init_from_hf)
         mb = cfg.trainer.micro_batch_size
         rng = np.random.default_rng(0)
-
-        def batch(n, w):
-            ids = torch.as_tensor(rng.integers(3, inputs.args.vocab_size, (n, w)), dtype=torch.long)
-            mask = torch.zeros((n, w - 1))
-            mask[:, 10:] = 1.0
-            return {"input_ids": ids, "loss_mask": mask, "advantages": torch.ones(n)}
-
-        def loss_fn(logprobs, m):
-            return (-(logprobs * m["loss_mask"]).sum() * 1e-6, {})
+        batch = lambda n, w: _train_batch(rng, inputs.args.vocab_size, n, w)
+        loss_fn = _tiny_loss
 
         fX, fy, bX, by, grid, full_rows = [], [], [], [], [], []
         for n, w in ((8, 32), (8, 96), (8, 192), (8, 320), (16, 64), (32, 128), (32, 256)):
@@ -327,12 +337,84 @@ def overhead_per_response(cfg, inputs) -> float:
 
 
 def contention(config: str, procs: int, repeat: int) -> float:
-    """Mean seconds of one decode run (B=64, L=64) in each of ``procs`` processes started together."""
+    """Mean seconds of one decode run (B=64, L=64) in each of ``procs`` processes started together
+    (each in its own session, as torchrun starts its workers: its own scheduling group)."""
     cmd = [sys.executable, __file__, "--config", config, "--repeat", str(repeat), "--decode-once"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(procs)]
+    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+          for _ in range(procs)]
     out = [float(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
     return float(np.mean(out))
+
+
+def idle_work_forever(config: str, kind: str) -> None:
+    """A contention worker standing in for bubble work, at the priority megarl gives it
+    (megarl/rl/bubble.py: the thread SCHED_IDLE, the process's scheduling group nice 19; it runs
+    in its own session, as torchrun's workers do): stream training's forward/backward passes of
+    one group (``train``: 8 rows of 112 tokens) or decoding (``decode``: pre-generation), until
+    killed. Prints ``ready`` once it has warmed up (at normal priority) and lowered itself."""
+    from megarl.rl.bubble import AutogroupNice, lower_thread_priority
+
+    cfg, inputs = _setup(config)
+    if kind == "decode":
+        eng = _engine(cfg, inputs, 64)
+        reqs = _requests(64, 64, 12, inputs.args.vocab_size)
+        work = lambda i: eng.generate(reqs, step=i)
+    else:
+        from megarl.parallel.dist import init_parallel
+        from megarl.stream_train.trainer import Trainer
+
+        trainer = Trainer(inputs.args, cfg.trainer, init_parallel(), seed=0, hf_dir=inputs.init_from_hf)
+        b = _train_batch(np.random.default_rng(0), inputs.args.vocab_size, 8, 112)
+
+        def work(i):
+            if i % 8 == 0:
+                trainer.begin_step()
+            trainer.accumulate(b, _tiny_loss)
+    work(0)
+    lower_thread_priority()
+    AutogroupNice().__enter__()  # undone when the process is killed: the group is this process's own
+    print("ready", flush=True)
+    i = 1
+    while True:
+        work(i)
+        i += 1
+
+
+def interference(config: str, repeat: int) -> tuple[dict, dict]:
+    """``bubble_interference`` by kind of bubble work: the decode loop of 2 processes (the
+    generating replicas) timed beside 2 idle-priority workers (``idle_work_forever``) over
+    timed alone (the mean of before and after). Returns the profile's figures (>= 1) and the
+    raw ones for ``meta``."""
+    cmd = [sys.executable, __file__, "--config", config, "--idle-work"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    alone = [contention(config, 2, repeat)]
+    raw = {}
+    for kind, work in (("stream_train", "train"), ("pregen", "decode")):
+        idle = [subprocess.Popen([*cmd, work], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                for _ in range(2)]
+        try:
+            for p in idle:
+                while (line := p.stdout.readline()) and line.strip() != "ready":
+                    pass
+                if not line:
+                    raise RuntimeError(f"calibrate_sim: the idle-priority {work} worker exited ({p.wait()})")
+            raw[kind] = contention(config, 2, repeat)
+        finally:
+            for p in idle:
+                p.kill()
+                p.wait()
+    alone.append(contention(config, 2, repeat))
+    base = float(np.mean(alone))
+    ratios = {k: v / base for k, v in raw.items()}
+    # Drafter training is forward/backward passes too (of a smaller model): the training figure.
+    figures = {k: round(max(1.0, ratios[w]), 4) for k, w in (("stream_train", "stream_train"),
+                                                              ("drafter_train", "stream_train"),
+                                                              ("pregen", "pregen"))}
+    print(f"interference: decode of 2 processes alone {base:.3f}s; beside 2 idle-priority workers: "
+          + ", ".join(f"{k} {v:.3f}s ({ratios[k]:.3f}x)" for k, v in raw.items()), flush=True)
+    return figures, {"interference_alone_s": [round(x, 4) for x in alone],
+                     "interference_beside_s": {k: round(v, 4) for k, v in raw.items()}}
 
 
 def main() -> None:
@@ -344,7 +426,11 @@ def main() -> None:
                                                       "sft/hf): also fit on real rollouts and updates of it")
     ap.add_argument("--real-steps", type=int, default=6, help="real RL steps timed with --from-hf (default 6)")
     ap.add_argument("--decode-once", action="store_true", help=argparse.SUPPRESS)  # a contention worker
+    ap.add_argument("--idle-work", choices=("train", "decode"), help=argparse.SUPPRESS)  # an interference worker
     args = ap.parse_args()
+    if args.idle_work:
+        idle_work_forever(args.config, args.idle_work)
+        return
     if args.decode_once:
         cfg, inputs = _setup(args.config)
         print(time_decode(cfg, inputs, 64, 64, 12, args.repeat))
@@ -362,14 +448,19 @@ def main() -> None:
     t1 = contention(args.config, 1, args.repeat)
     t2 = contention(args.config, 2, args.repeat)
     t4 = contention(args.config, 4, 1)
+    inter, inter_meta = interference(args.config, args.repeat)
+    cores = float(os.cpu_count() or 2)
     prof = LinearProfile(name="cpu", **dec, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
-                         cores=float(os.cpu_count() or 2), slowdown={"1": 1.0, "2": round(max(1.0, t2 / t1), 4)},
+                         cores=cores, slowdown={"1": 1.0, "2": round(max(1.0, t2 / t1), 4),
+                                                "4": round(max(1.0, t4 / (t1 * max(1.0, 4 / cores))), 4)},
+                         bubble_interference=inter,
                          meta={"config": os.path.relpath(args.config, ROOT), "cpu_count": os.cpu_count(),
                                "torch_threads": 1, "from_hf": args.from_hf, "real_steps": len(real), "date": time.strftime("%Y-%m-%d %H:%M"),
                                "loadavg_before": [round(x, 2) for x in load0],
                                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
                                "contention_s": {"1": round(t1, 4), "2": round(t2, 4), "4": round(t4, 4)},
                                "contention_4_over_predicted": round(t4 / (t1 * 2 * max(1.0, t2 / t1)), 3),
+                               **inter_meta,
                                **dec_meta, **tr_meta})
     atomic_write_text(args.out, prof.to_json() + "\n")
     print(json.dumps({k: v for k, v in json.loads(prof.to_json()).items() if k != "meta"}, indent=1))

@@ -9,8 +9,9 @@ time shifts every error alike. Calibrate right before and right after the runs
 ``--profile A.json --profile B.json``: predictions are the mean of the two, each one's step
 prediction is printed too (their spread is the drift over the runs).
 
-For each work dir (its ``baseline``, ``megarl`` and ``tail`` runs; the process count is read
-from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
+For each work dir (every run in it: ``baseline``, ``megarl``, ``tail`` and, with ``bench schedule
+--ablations``, the megarl runs with one feature off; or a single ``megarl train`` run folder; the
+process count is read from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
 the simulator with the calibrated ``cpu`` profile (megarl/sim/replay.py: the run's own response
 lengths, length history and measured acceptance) and the mean step and rollout times are
 printed predicted vs measured, with the relative error. The target is |error| <= 20% on step time.
@@ -42,7 +43,7 @@ def main() -> int:
 
     profiles = [load_profile(p) for p in (args.profile or ["cpu"])]
     rows, worst = [], 0.0
-    print(f"{'runs':<28} {'variant':<9} {'procs':>5} {'step meas':>9} {'step pred':>9} {'err':>7} "
+    print(f"{'runs':<28} {'variant':<12} {'procs':>5} {'step meas':>9} {'step pred':>9} {'err':>7} "
           f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17}"
           + (f" {'step pred per profile':>22}" if len(profiles) > 1 else ""))
     for d in map(Path, args.work_dirs):
@@ -52,16 +53,14 @@ def main() -> int:
             if not bench.is_file():
                 raise SystemExit(f"validate_sim: no {bench}: pass --nproc")
             nproc = json.loads(bench.read_text())["nproc"]
-        for variant in ("baseline", "megarl", "tail"):
-            if not (d / variant / "metrics.jsonl").is_file():
-                continue
-            each = [replay_run(d / variant, nproc, p) for p in profiles]
+        for variant, run in _runs(d):
+            each = [replay_run(run, nproc, p) for p in profiles]
             per = [e["summary"] for e in each]
             s = _mean_summary(per)
             r = {**each[0], "summary": s, **({"per_profile": per} if len(per) > 1 else {})}
             worst = max(worst, abs(s["step_rel_err"]))
             rows.append({"work_dir": str(d), "variant": variant, "nproc": nproc, **r})
-            print(f"{str(d)[-28:]:<28} {variant:<9} {nproc:>5} {s['meas_step_s']:>9.3f} {s['pred_step_s']:>9.3f} "
+            print(f"{str(d)[-28:]:<28} {variant[:12]:<12} {nproc:>5} {s['meas_step_s']:>9.3f} {s['pred_step_s']:>9.3f} "
                   f"{s['step_rel_err']:>+7.1%} {s['meas_rollout_s']:>12.3f} {s['pred_rollout_s']:>12.3f} "
                   f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f}"
                   + (" " + " / ".join(f"{x['pred_step_s']:.3f}" for x in per) if len(per) > 1 else ""))
@@ -69,6 +68,20 @@ def main() -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(rows, indent=1) + "\n")
     return 0
+
+
+ORDER = ("baseline", "megarl", "tail")
+
+
+def _runs(d: Path) -> list[tuple[str, Path]]:
+    """The runs in ``d`` as (variant, folder): ``d`` itself if it is a run, else its subfolders that are, the
+    bench's main variants first."""
+    if (d / "metrics.jsonl").is_file():
+        return [(d.name, d)]
+    runs = sorted((p.name, p) for p in d.iterdir() if (p / "metrics.jsonl").is_file() and (p / "config.yaml").is_file())
+    if not runs:
+        raise SystemExit(f"validate_sim: no run (metrics.jsonl + config.yaml) in {d} or its subfolders")
+    return sorted(runs, key=lambda r: (ORDER.index(r[0]) if r[0] in ORDER else len(ORDER), r[0]))
 
 
 def _mean_summary(summaries: list[dict]) -> dict:

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
     b.add_argument("--tail", action="store_true", help="also run megarl with tail batching (reported apart: it "
                                                          "trains other prompts per step, so no exact match)")
+    b.add_argument("--ablations", action="store_true", help="also run megarl with each feature off in turn "
+                                                              "(speculation, placement, stream training, bubble "
+                                                              "drafts): every feature measured on and off")
 
     b = bench.add_parser("drafter", help="the learned drafter trained in bubbles: acceptance and forward reduction on "
                                          "unseen prompts, exactness, step time with bubble-time training on vs off")
@@ -165,9 +168,10 @@ def _bench(args, cfg) -> int:
         from megarl.bench.schedule import bench_schedule
 
         report = bench_schedule(args.config, cfg, args.nproc, args.json, args.steps, args.overrides,
-                                from_hf=args.from_hf, work_dir=args.work_dir, tail=args.tail)
-        for name in ("baseline", "megarl", "tail"):
-            if name in report:
+                                from_hf=args.from_hf, work_dir=args.work_dir, tail=args.tail,
+                                ablations=args.ablations)
+        for name in report:
+            if isinstance(report[name], dict) and "steps" in report[name]:
                 report[name] = {k: v for k, v in report[name].items() if k != "steps"}
         print(json.dumps(report, indent=2))
         return 0

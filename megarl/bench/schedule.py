@@ -23,6 +23,12 @@ With ``--tail``, a third run, ``tail``: megarl plus tail batching (megarl/rl/tai
 ``tail_rollout_speedup`` and ``tail_step_speedup`` against the baseline. Its steps train other
 prompts than the baseline's (short rounds defer the slowest), so it is not in ``exact_match``;
 its on-policy check is ``logprob_diff_max`` in its metrics.
+
+With ``--ablations``, megarl once more per feature with that one feature off (``ABLATIONS``:
+speculation, length-aware placement, stream training, bubble drafts), so that every feature is
+measured on and off (the simulator's validation, benchmarks/validate_sim.py, replays them all);
+each has ``rollout_time_s``/``step_time_s`` and ``step_speedup`` over the baseline, and must sample
+the baseline's tokens (``samples_identical``: none of them changes what is sampled).
 """
 from __future__ import annotations
 
@@ -47,6 +53,13 @@ VARIANTS = {
                  "stream_train=false", "schedule.bubble_work=[]"],
     "megarl": ["spec.enabled=true", "spec.bubble_pregen=true", "rollout.placement=length",
                "stream_train=true", "schedule.bubble_work=[stream_train,pregen]"],
+}
+# megarl with one feature off (--ablations): every feature is then measured on (megarl) and off.
+ABLATIONS = {
+    "no_spec": ["spec.enabled=false", "schedule.bubble_work=[stream_train]"],
+    "no_placement": ["rollout.placement=round_robin"],
+    "no_stream": ["stream_train=false", "schedule.bubble_work=[pregen]"],
+    "no_bubble_drafts": ["spec.bubble_pregen=false", "schedule.bubble_work=[stream_train]"],
 }
 # megarl plus tail batching (opt-in; it changes which prompts each step trains, so it is reported apart and
 # not part of exact_match): the short rounds' gain on rollout and step time.
@@ -130,7 +143,7 @@ def _weights_diff(a: Path, b: Path) -> float:
 
 def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str, steps: int,
                    overrides: list[str], from_hf: str | None = None, work_dir: str | None = None,
-                   weight_tol: float = 1e-5, tail: bool = False) -> dict:
+                   weight_tol: float = 1e-5, tail: bool = False, ablations: bool = False) -> dict:
     if nproc < 1:
         raise ValueError(f"--nproc={nproc} is invalid; valid range: >= 1")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-bench-schedule-"))
@@ -149,6 +162,12 @@ def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str
         report["tail"] = {**_summary(work / "tail"), "wall_s": wall}
         report["tail_rollout_speedup"] = report["baseline"]["rollout_time_s"] / report["tail"]["rollout_time_s"]
         report["tail_step_speedup"] = report["baseline"]["step_time_s"] / report["tail"]["step_time_s"]
+    for name, extra in (ABLATIONS.items() if ablations else ()):
+        print(f"bench schedule: megarl with {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
+        wall = _launch(nproc, config, [*base, *VARIANTS["megarl"], *extra], work / name, work / f"{name}.log")
+        report[name] = {**_summary(work / name), "wall_s": wall}
+        report[name]["step_speedup"] = report["baseline"]["step_time_s"] / report[name]["step_time_s"]
+        report[name]["samples_identical"] = _same_samples(work / "baseline", work / name)[0]
     same, first_diff = _same_samples(work / "baseline", work / "megarl")
     diff = _weights_diff(work / "baseline", work / "megarl")
     report.update(

@@ -165,11 +165,15 @@ class LinearProfile(Profile):
     """CPU cores the processes share."""
     slowdown: dict = field(default_factory=lambda: {"1": 1.0, "2": 1.0})
     """Measured time per unit of work with n processes computing at once, over one process
-    alone, when n <= cores (memory bandwidth, caches, SMT); past ``cores`` processes time-share
-    (megarl/sim/share.py multiplies by n / cores on top)."""
-    bubble_interference: float = 1.15
-    """Slowdown of a generating process while a neighbour does idle-priority bubble work (README
-    'Long-tail scheduling': a generating rank needs ~10-25% more CPU time per forward then)."""
+    alone and over time-sharing (``max(1, n / cores)``: megarl/sim/share.py divides each one's
+    speed by that first). Up to ``cores`` it is shared caches and memory bandwidth; past it, also
+    what time-sharing costs beyond the split itself (context switches, every switch refilling the
+    caches: ~1.3x with 4 processes on 2 cores here). Counts between measured ones interpolate."""
+    bubble_interference: float | dict = 1.15
+    """Slowdown of the generating processes while other processes do idle-priority bubble work,
+    by kind of bubble work (``stream_train``, ``drafter_train``, ``pregen``; a number: every kind).
+    ``benchmarks/calibrate_sim.py`` measures it: generating processes timed alone and beside
+    idle-priority neighbours doing forward/backward passes (training) or decoding (pre-generation)."""
     meta: dict = field(default_factory=dict)
     """Where the figures come from (machine, load, date, fit residuals)."""
 
@@ -204,18 +208,23 @@ class LinearProfile(Profile):
         return self.overhead_per_response * responses
 
     def speed_slowdown(self, n: int) -> float:
-        """Measured time per unit of work with ``n`` (<= cores) processes computing at once, over
-        one alone; past the measured counts, the largest one."""
+        """Measured slowdown of ``n`` processes computing at once (``slowdown``), linear between
+        measured counts; past the largest one, the largest one."""
         keys = sorted(int(k) for k in self.slowdown)
-        k = min((k for k in keys if k >= n), default=keys[-1])
-        return float(self.slowdown[str(k)])
+        vals = [float(self.slowdown[str(k)]) for k in keys]
+        return float(np.interp(n, keys, vals))
 
     def speed(self, n_busy: int) -> float:
         """Work per second of each of ``n_busy`` processes computing at once on ``cores`` cores."""
         if n_busy <= 0:
             return 1.0
         cores = self.cores or n_busy
-        return min(1.0, cores / n_busy) / self.speed_slowdown(int(min(n_busy, np.ceil(cores))))
+        return min(1.0, cores / n_busy) / self.speed_slowdown(n_busy)
+
+    def interference(self, kind: str) -> float:
+        """Slowdown of the generating processes while bubble work of ``kind`` runs beside them."""
+        bi = self.bubble_interference
+        return float(bi) if not isinstance(bi, dict) else float(bi.get(kind, max(bi.values(), default=1.0)))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -12,7 +12,8 @@ process count with the ``cpu`` profile, from what the run really generated:
   target_forwards``) and draft rows per forward (rank 0's ``drafted_tokens`` over its share of
   the target forwards): the acceptance is an input here, what is predicted is the time;
 - bubble work (stream training of finished groups, bubble-draft pre-generation at idle
-  priority), stream training and tail batching as the config has them. Tail batching: each
+  priority, or pre-generation after the rollout phase when it is not bubble work), stream
+  training and tail batching as the config has them. Tail batching: each
   round's started prompts, in the order the run admitted them, are rebuilt with the run's own
   ``PromptSchedule`` (megarl/rl/tail.py) fed the prompts each step completed; a short round's
   deferred prompts hold batch rows from the start of the round until its stop: their samples are
@@ -123,7 +124,10 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
                                 for d in row.get("deferred", [])}
     rounds = _tail_rounds(run_dir, steps, metrics, len(plens) if plens else None) \
         if cfg.get("tail", {}).get("enabled") else None
-    knobs = StepKnobs(group=G, max_batch=cfg["rollout"]["max_batch_size"])
+    work = cfg.get("schedule", {}).get("bubble_work", []) if nproc > 1 else []
+    knobs = StepKnobs(group=G, max_batch=cfg["rollout"]["max_batch_size"],
+                      pregen_after=bool(cfg["spec"].get("enabled") and cfg["spec"].get("bubble_pregen")
+                                        and "pregen" not in work))
     history: dict[int, float] = {}
     carry, out = CarryOver(), []
     rng = np.random.default_rng(0)

@@ -9,8 +9,12 @@ processor-sharing system, and the simulator must be one too to predict them:
   slowdown of ``min(n, cores)`` processes computing side by side (shared caches and memory
   bandwidth; ``benchmarks/calibrate_sim.py`` measures it).
 - Bubble work runs at the OS's idle priority (megarl/rl/bubble.py: SCHED_IDLE, nice 19): it gets
-  only the cores the normal-priority processes leave free, and while it runs the generating
-  processes are slowed by ``profile.bubble_interference`` (README, 'Long-tail scheduling').
+  only the cores the normal-priority processes leave free; while it runs on them, it competes
+  with the normal processes for caches and memory bandwidth like any process computing beside
+  them (``slowdown`` of all the busy cores), and while it is pending at all, the generating
+  processes are slowed by ``profile.interference(kind)`` of the kinds of bubble work pending
+  (the largest one): even at idle priority it is scheduled now and then, and a backward pass
+  evicts more of a neighbour's cache than a decode step (benchmarks/calibrate_sim.py).
 
 A *phase* here: every process first does its normal work, then its idle-priority work, until
 the last process's normal work is done (the barrier: the rollout replicas' exchange, or the
@@ -46,18 +50,27 @@ class PhaseTimes:
         return np.interp(work, done, wall)
 
 
-def run_phase(normal: np.ndarray, idle: np.ndarray, profile: Profile) -> PhaseTimes:
-    """Wall times of one phase (see the module docstring). ``normal[i]``, ``idle[i]``: work
-    seconds of process ``i`` (``idle`` may be ``inf``: pre-generation never runs out)."""
+def run_phase(normal: np.ndarray, idle, profile: Profile) -> PhaseTimes:
+    """Wall times of one phase (see the module docstring). ``normal[i]``: work seconds of
+    process ``i``. ``idle``: its idle-priority work, either seconds per process (one kind) or
+    a list of ``(kind, seconds per process)`` segments done in that order (seconds may be
+    ``inf``: pre-generation never runs out)."""
     normal = np.asarray(normal, dtype=np.float64)
-    idle = np.broadcast_to(np.asarray(idle, dtype=np.float64), normal.shape)
+    n = normal.size
+    segs = (idle if isinstance(idle, list) else [("bubble", idle)]) or [("bubble", 0.0)]
+    kinds = [k for k, _ in segs]
+    amount = np.stack([np.broadcast_to(np.asarray(x, dtype=np.float64), normal.shape) for _, x in segs], axis=1) \
+        if segs else np.zeros((n, 0))
+    total = amount.sum(axis=1)
     if profile.cores is None:  # one device per rank: no sharing, closed form
         barrier = float(normal.max(initial=0.0))
         gap = barrier - normal
-        done = np.minimum(idle, gap)
+        done = np.minimum(total, gap)
         return PhaseTimes(normal.copy(), done, done, barrier, None)
-    n = normal.size
-    rem, idle_rem = normal.copy(), idle.copy()
+    bounds = np.cumsum(amount, axis=1)  # idle work done at the end of each segment
+    factor = np.array([profile.interference(k) for k in kinds]) if hasattr(profile, "interference") \
+        else np.ones(len(kinds))
+    rem, idle_rem = normal.copy(), total.copy()
     busy = np.zeros(n)
     idle_done = np.zeros(n)
     now = 0.0
@@ -67,15 +80,17 @@ def run_phase(normal: np.ndarray, idle: np.ndarray, profile: Profile) -> PhaseTi
         run_n = np.isnan(end)
         run_i = ~run_n & (idle_rem > 1e-12)
         k, m = int(run_n.sum()), int(run_i.sum())
-        speed = profile.speed(k)
-        if m and getattr(profile, "bubble_interference", 1.0) > 1.0:
-            speed /= profile.bubble_interference
         free = max(0.0, profile.cores - k)
-        idle_speed = (min(1.0, free / m) / profile.speed_slowdown(min(k + m, int(np.ceil(profile.cores))))
-                      if m and free > 0 else 0.0)
+        # Idle work on the free cores competes for caches and memory like a normal process would.
+        sharing = max(k, min(k + m, int(np.ceil(profile.cores)))) if free > 0 else k
+        speed = min(1.0, profile.cores / k) / profile.speed_slowdown(sharing)
+        seg = np.argmax(bounds > idle_done[:, None] + 1e-12, axis=1)  # each process's current segment
+        if m:
+            speed /= max(1.0, float(factor[seg[run_i]].max()))
+        idle_speed = (min(1.0, free / m) / profile.speed_slowdown(sharing) if m and free > 0 else 0.0)
         dt = float(np.min(rem[run_n]) / speed)
-        if m and idle_speed > 0:
-            dt = min(dt, float(np.min(idle_rem[run_i]) / idle_speed))
+        if m and idle_speed > 0:  # next event: an idle process done with its current segment
+            dt = min(dt, float(np.min(bounds[run_i, seg[run_i]] - idle_done[run_i]) / idle_speed))
         now += dt
         rem[run_n] -= dt * speed
         idle_rem[run_i] -= dt * idle_speed

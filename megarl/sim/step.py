@@ -57,6 +57,10 @@ class StepKnobs:
     stream_balance: str = "own"
     """Stream-training leftovers after the rollout: ``own`` (each replica its own groups: megarl) or
     ``pooled`` (spread over all ranks)."""
+    pregen_after: bool = False
+    """Bubble drafts made after the rollout phase instead of in its bubbles (``spec.bubble_pregen``
+    with ``pregen`` not in ``schedule.bubble_work``, or one replica: megarl/train.py): every
+    replica generates its share of the next step in full, at normal priority, before training."""
     coarsen: float = 0.0
     """Event merging of the rollout model (megarl/sim/rollout.py); 0 is exact."""
 
@@ -148,8 +152,8 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
                     for r in range(R)]) / knobs.tp if "stream" in features else np.zeros(R)
     drafter = knobs.drafter_need_s if "drafter" in features and speculating else 0.0
     pregen = "bubble" in features and speculating and R > 1
-    idle_work = own + drafter + (np.inf if pregen else 0.0)
-    phase = run_phase(res.end, idle_work, profile)
+    phase = run_phase(res.end, [("stream_train", own), ("drafter_train", np.full(R, drafter)),
+                                ("pregen", np.full(R, np.inf if pregen else 0.0))], profile)
     rollout_s = phase.barrier + profile.overhead_s(int(real.sum()))
     wall_finish = np.stack([phase.wall_at(r, res.finish[r]) for r in range(R)]) if R else res.finish
     busy = phase.normal_end + phase.idle_busy
@@ -159,6 +163,12 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     pregen_s = np.maximum(0.0, phase.idle_done - own - drafter) if pregen else np.zeros(R)
     new = CarryOver(cover=_pregen_cover(lens, prompt, pregen_s, profile, knobs) if pregen else None,
                     drafter_fresh=float(min(1.0, drafter_done.sum() / (drafter * R))) if drafter else 0.0)
+    after_s = 0.0
+    if knobs.pregen_after and speculating and not pregen:
+        # This step's shares stand in for the next step's (same distribution), generated whole.
+        full = run_rollout(lens, prompt, profile, group=G, max_batch=knobs.max_batch, coarsen=knobs.coarsen)
+        after_s = run_phase(full.end, np.zeros(R), profile).barrier
+        new.cover = full.iterations.copy()
     # 3. train, gradient all-reduce + optimizer, weight sync (every rank at once).
     if "stream" in features:
         left = own - stream_done
@@ -180,11 +190,12 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     all_speed = profile.speed(R) if profile.cores is not None else 1.0
     train += profile.finish_s(R) / all_speed
     sync = profile.sync_s(R) / all_speed
-    out = StepResult(step_time_s=rollout_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,
+    out = StepResult(step_time_s=rollout_s + after_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,
                      bubble_frac=bubble_frac, tail_share=tail_share(wall_finish, rollout_s),
                      responses=int(real.sum()), complete=complete,
                      extra={"gen_end": phase.normal_end, "forwards": float(res.forwards.sum()),
-                            "stream_in_bubble_s": float(stream_done.sum()), "pregen_s": float(pregen_s.sum())})
+                            "stream_in_bubble_s": float(stream_done.sum()), "pregen_s": float(pregen_s.sum()),
+                            "pregen_after_s": after_s})
     return out, new
 
 

@@ -129,6 +129,52 @@ def test_processor_sharing_on_two_cores():
     assert ph.idle_done[0] == pytest.approx(0.0) and ph.idle_busy[0] == pytest.approx(2.0)
 
 
+def test_time_sharing_past_the_cores_costs_the_measured_slowdown():
+    # slowdown["4"] = 1.5: four processes on two cores take 2 (the split) x 1.5; three interpolate.
+    prof = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.0, "4": 1.5}, bubble_interference=1.0)
+    assert run_phase(np.ones(4), np.zeros(4), prof).barrier == pytest.approx(3.0)
+    assert run_phase(np.ones(3), np.zeros(3), prof).barrier == pytest.approx(1.5 * 1.25)
+    assert run_phase(np.ones(2), np.zeros(2), prof).barrier == pytest.approx(1.0)
+
+
+def test_bubble_interference_by_kind_of_work():
+    # Two generating processes (2 s of work) on two cores, two more with idle-priority bubble work:
+    # stream training slows the generating ones 1.5x, pre-generation 1.1x.
+    prof = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.0},
+                         bubble_interference={"stream_train": 1.5, "pregen": 1.1})
+    normal = np.array([2.0, 2.0, 0.0, 0.0])
+    train = run_phase(normal, [("stream_train", np.array([0, 0, 1.0, 1.0])), ("pregen", np.zeros(4))], prof)
+    pregen = run_phase(normal, [("stream_train", np.zeros(4)), ("pregen", np.array([0, 0, np.inf, np.inf]))], prof)
+    assert train.barrier == pytest.approx(3.0) and pregen.barrier == pytest.approx(2.2)
+    assert (train.idle_done == 0).all()  # no free core: the idle work got nothing done
+    # One generating process: the free core runs the bubble work (1 s of training, then
+    # pre-generation), and the generating one is slowed only while each kind is pending.
+    ph = run_phase(np.array([3.0, 0.0]), [("stream_train", np.array([0, 1.0])), ("pregen", np.array([0, np.inf]))],
+                   prof)
+    assert ph.wall_at(0, np.array([1.0 / 1.5]))[0] == pytest.approx(1.0)  # the training second
+    assert ph.barrier == pytest.approx(1.0 + (3.0 - 1.0 / 1.5) * 1.1)
+    assert ph.idle_done[1] == pytest.approx(ph.barrier)
+    # A plain number is every kind's.
+    flat = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.0}, bubble_interference=1.5)
+    assert run_phase(normal, [("pregen", np.array([0, 0, np.inf, np.inf]))], flat).barrier == pytest.approx(3.0)
+
+
+def test_pregeneration_after_the_rollout_costs_a_rollout_before_training():
+    # Bubble drafts not made in the bubbles (one replica, or pregen not in schedule.bubble_work): each
+    # replica generates its share again, whole, between the rollout phase and training.
+    prof = LinearProfile(**UNIT)
+    sl = StepLengths(np.array([[4, 4], [10, 10]]), np.zeros(2, dtype=np.int64), np.array([4.0, 10.0]))
+    args = (sl, frozenset({"spec"}), prof)
+    kw = dict(fixed_tau=1.0, fixed_draft=0.0)
+    plain, _ = simulate_step(*args, StepKnobs(group=2, max_batch=8), SpecModel(), 2, CarryOver(),
+                             np.random.default_rng(0), **kw)
+    after, carry = simulate_step(*args, StepKnobs(group=2, max_batch=8, pregen_after=True), SpecModel(), 2,
+                                 CarryOver(), np.random.default_rng(0), **kw)
+    assert after.extra["pregen_after_s"] == pytest.approx(plain.rollout_s)  # the slowest share, again
+    assert after.step_time_s == pytest.approx(plain.step_time_s + plain.rollout_s)
+    assert after.rollout_s == plain.rollout_s and carry.cover.tolist() == [4.0, 10.0]
+
+
 def test_tail_batching_short_round_stops_at_quota():
     prof = LinearProfile(**UNIT)
     lens = np.array([[1, 1, 50, 50, 2, 2]])
