@@ -33,6 +33,11 @@ times cost host work the grid does not have).
 4. **Bubble interference**: the decode loop of 2 processes beside 2 idle-priority workers (the
    priority megarl's bubble work gets) doing stream training's forward/backward passes, or
    decoding (pre-generation), over the same 2 processes alone: ``bubble_interference`` by kind.
+5. **Speculation**: with ``--from-hf``, the real steps again with speculation on (the config's
+   sources; the same tokens), once as they come (few drafts) and once with each step's bubble
+   drafts pre-generated first (long drafts, all accepted): their excess over the decode fit for
+   their forwards and rows gives ``spec_request`` (per running request per iteration: drafting)
+   and ``spec_row`` (per draft token: verifying and accepting it).
 
 The machine's load average before and after goes into ``meta``: other work on the cores
 inflates every figure.
@@ -65,15 +70,20 @@ def _setup(config: str, from_hf: str | None = None):
     return cfg, prepare_inputs(cfg)
 
 
-def _engine(cfg, inputs, batch: int):
+def _engine(cfg, inputs, batch: int, spec: bool = False):
     """The run's engine shape: ``rollout.max_batch_size`` slots whatever the batch (the slot
-    cache's size changes the cost of attention: 18% at 64 requests in 256 vs 64 slots)."""
+    cache's size changes the cost of attention: 18% at 64 requests in 256 vs 64 slots). With
+    ``spec``, speculation from the config's sources (none pre-generated: no bubble drafts)."""
+    import dataclasses
+
     from megarl.engine import Engine, EngineConfig
     from megarl.models.llama import CausalLM
+    from megarl.spec.speculator import Speculator
 
     model = CausalLM(inputs.args)
+    spec_obj = Speculator(dataclasses.replace(cfg.spec, enabled=True, bubble_pregen=False)) if spec else None
     return Engine(model, EngineConfig(max_batch_size=max(batch, cfg.rollout.max_batch_size), max_seq_len=inputs.args.max_position_embeddings,
-                                      dtype=cfg.rollout.dtype, device="cpu"), seed=0)
+                                      dtype=cfg.rollout.dtype, device="cpu"), seed=0, spec=spec_obj)
 
 
 def _requests(batch: int, length: int, prompt_len: int, vocab: int, group: int = 8):
@@ -112,13 +122,15 @@ def time_prefill(cfg, inputs, batch: int, prompt_len: int, repeat: int) -> float
     return best
 
 
-def real_rollouts(cfg, inputs, steps: int) -> list[dict]:
+def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = False) -> list[dict]:
     """The run's own rollout stage (megarl/rl/rollout.py: engine, reward pool, stop tokens, slot
     compaction) on the task's first ``steps`` steps, timed: what the synthetic grid leaves out
-    (requests finishing at different times) is in these."""
+    (requests finishing at different times) is in these. With ``spec``, speculative (the same
+    tokens), with each step's tokens and draft rows per target forward; with ``pregen`` too, each
+    step's bubble drafts pre-generated first (untimed: long drafts, all accepted)."""
     from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 
-    eng = _engine(cfg, inputs, cfg.rollout.max_batch_size)
+    eng = _engine(cfg, inputs, cfg.rollout.max_batch_size, spec=spec)
     if inputs.init_from_hf:
         from megarl.models.hf_io import load_hf_model
 
@@ -129,13 +141,19 @@ def real_rollouts(cfg, inputs, steps: int) -> list[dict]:
         stage.run(prompt_uids_for_step(steps, cfg, len(inputs.problems))[:4], steps)  # warm-up
         for step in range(steps):
             uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+            if pregen:
+                stage.pregenerate(uids, step)
             t0 = time.perf_counter()
             groups = stage.run(uids, step)
             sec = time.perf_counter() - t0
             lens = np.array([[len(r.tokens) for r in g.results] for g in groups])
             plen = np.array([len(g.results[0].prompt_ids) for g in groups])
-            out.append({"lens": lens, "prompt": plen, "seconds": sec, "groups": groups})
-            print(f"real rollout step {step}: {lens.size} responses, max {lens.max()}, {sec:.3f}s", flush=True)
+            m = stage.metrics(groups)
+            out.append({"lens": lens, "prompt": plen, "seconds": sec, "groups": groups, "forwards": m["target_forwards"],
+                        "tau": m["rollout_tokens"] / m["target_forwards"],
+                        "draft": m.get("drafted_tokens", 0) / m["target_forwards"]})
+            print(f"real rollout step {step}{' (speculative)' if spec else ''}{' (bubble drafts)' if pregen else ''}: {lens.size} responses, max {lens.max()}, "
+                  f"{sec:.3f}s, {out[-1]['tau']:.2f} tokens and {out[-1]['draft']:.2f} draft rows per forward", flush=True)
     finally:
         stage.close()
     return out
@@ -186,6 +204,29 @@ def fit_decode(cfg, inputs, repeat: int, prefill: tuple[float, float], real: lis
     rows.append({"real_rollout_rel_err": real_err})
     return ({"decode_a": float(coef[0]), "decode_b": float(coef[1]), "decode_c": float(coef[2])},
             {"decode_grid": rows, "decode_fit_max_rel_err": round(err, 4)})
+
+
+def fit_spec(cfg, real_spec: list[dict], profile) -> tuple[dict, dict]:
+    """``spec_request`` and ``spec_row``: real steps rolled out speculatively cost more than the
+    decode fit says for their forwards and rows (drafting from the sources; verifying and
+    accepting each draft token). Least squares of each step's excess on its target forwards
+    (running requests' iterations) and draft tokens, over steps with few drafts (history, group
+    and prompt sources) and with many (bubble drafts pre-generated: long, all accepted)."""
+    from megarl.sim.rollout import run_rollout
+
+    G, mb = cfg.rollout.group_size, cfg.rollout.max_batch_size
+    X, y = [], []
+    for r in real_spec:
+        pred = float(run_rollout(r["lens"].reshape(1, -1), np.repeat(r["prompt"], G)[None], profile, group=G,
+                                 max_batch=mb, fixed_tau=r["tau"], fixed_draft=r["draft"]).end[0])
+        X.append([r["forwards"], r["forwards"] * r["draft"]])
+        y.append(r["seconds"] - pred)
+    req, row = _nnls(np.asarray(X, dtype=np.float64), np.asarray(y)) if X else (0.0, 0.0)
+    print(f"speculation: {req * 1e6:.1f} us per request per iteration, {row * 1e6:.1f} us per draft token "
+          f"beyond its row", flush=True)
+    return {"spec_request": float(req), "spec_row": float(row)}, {
+        "spec_real_steps": [{"seconds": round(r["seconds"], 4), "tau": round(r["tau"], 3), "draft": round(r["draft"], 3),
+                             "excess_s": round(e, 4)} for r, e in zip(real_spec, y)]}
 
 
 def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -441,8 +482,11 @@ def main() -> None:
     load0 = os.getloadavg()
     cfg, inputs = _setup(args.config, args.from_hf)
     real = real_rollouts(cfg, inputs, args.real_steps) if args.from_hf else []
+    real_spec = [*real_rollouts(cfg, inputs, args.real_steps, spec=True),
+                 *real_rollouts(cfg, inputs, args.real_steps, spec=True, pregen=True)] if args.from_hf else []
     pre = fit_prefill(cfg, inputs, args.repeat)
     dec, dec_meta = fit_decode(cfg, inputs, args.repeat, pre, real)
+    spec_fit, spec_meta = fit_spec(cfg, real_spec, LinearProfile(**dec, prefill_a=pre[0], prefill_b=pre[1]))
     tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
     ovh = overhead_per_response(cfg, inputs)
     t1 = contention(args.config, 1, args.repeat)
@@ -450,7 +494,8 @@ def main() -> None:
     t4 = contention(args.config, 4, 1)
     inter, inter_meta = interference(args.config, args.repeat)
     cores = float(os.cpu_count() or 2)
-    prof = LinearProfile(name="cpu", **dec, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
+    prof = LinearProfile(name="cpu", **dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr,
+                         overhead_per_response=ovh,
                          cores=cores, slowdown={"1": 1.0, "2": round(max(1.0, t2 / t1), 4),
                                                 "4": round(max(1.0, t4 / (t1 * max(1.0, 4 / cores))), 4)},
                          bubble_interference=inter,
@@ -460,7 +505,7 @@ def main() -> None:
                                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
                                "contention_s": {"1": round(t1, 4), "2": round(t2, 4), "4": round(t4, 4)},
                                "contention_4_over_predicted": round(t4 / (t1 * 2 * max(1.0, t2 / t1)), 3),
-                               **inter_meta,
+                               **inter_meta, **spec_meta,
                                **dec_meta, **tr_meta})
     atomic_write_text(args.out, prof.to_json() + "\n")
     print(json.dumps({k: v for k, v in json.loads(prof.to_json()).items() if k != "meta"}, indent=1))

@@ -37,3 +37,23 @@ def test_bench_schedule_json_and_exactness(tmp_path, capsys):
 def test_bench_schedule_rejects_bad_nproc(capsys):
     assert main(["bench", "schedule", "--nproc", "0", "--json", "/tmp/never.json"]) == 2
     assert "--nproc=0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,off", [("no_spec", {"spec", "bubble"}), ("no_placement", {"placement"}),
+                                      ("no_stream", {"stream"}), ("no_bubble_drafts", {"bubble"})])
+def test_each_ablation_turns_off_its_feature_only(name, off):
+    # --ablations: megarl with one feature off, as the simulator's replay reads the run's config
+    # (speculation off also means no bubble drafts: they are drafts).
+    import yaml
+
+    from megarl.bench.schedule import ABLATIONS, COMMON, VARIANTS
+    from megarl.config import dump_config, load_config
+    from megarl.sim.replay import features_of
+
+    def features(overrides):
+        cfg = yaml.safe_load(dump_config(load_config("configs/tiny.yaml", [*COMMON, *overrides])))
+        return features_of(cfg, 2) | ({"spec"} if cfg["spec"]["enabled"] else set())
+
+    megarl = features(VARIANTS["megarl"])
+    assert megarl == {"spec", "placement", "stream", "bubble"}
+    assert features([*VARIANTS["megarl"], *ABLATIONS[name]]) == megarl - off

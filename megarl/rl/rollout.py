@@ -266,9 +266,11 @@ def rollout_line(step: int, groups: list[Group], aborted: dict[int, list[Result]
     """One line of ``rollouts.jsonl`` (``rollout.dump``): every sample of the step, in order, and
     (tail batching's short rounds) the deferred prompts' samples as the stop left them: their
     lengths and finish reasons ("aborted": still running), which the simulator's replay needs
-    (megarl/sim/replay.py: they held batch rows until the stop)."""
+    (megarl/sim/replay.py: they held batch rows until the stop). ``forwards``: the target
+    forwards a sample took (fewer than its tokens where speculation accepted drafts: the replay
+    speeds up each response by its own acceptance)."""
     line = {"step": step, "samples": [{"uid": r.uid, "sample_idx": r.sample_idx, "tokens": list(r.tokens),
-                                       "reward": reward, "finish_reason": r.finish_reason}
+                                       "reward": reward, "finish_reason": r.finish_reason, "forwards": r.n_forwards}
                                       for g in groups for r, reward in zip(g.results, g.rewards)]}
     if aborted:
         line["deferred"] = [{"uid": u, "lengths": [len(r.tokens) for r in res],

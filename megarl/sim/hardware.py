@@ -122,6 +122,12 @@ class Profile(ABC):
         """Per-step host work outside the phases above (exchanging the step's samples, logging)."""
         return 0.0
 
+    def spec_s(self, requests, draft_rows):
+        """Work of one speculative engine iteration beyond its token rows' ``decode_s`` (drafting
+        from the sources, verifying and accepting drafts) for ``requests`` running requests with
+        ``draft_rows`` draft tokens in all."""
+        return 0.0 * np.asarray(requests, dtype=np.float64)
+
 
 @dataclass
 class LinearProfile(Profile):
@@ -133,6 +139,12 @@ class LinearProfile(Profile):
     """Fixed cost of an engine iteration."""
     decode_b: float = 2.5e-5
     """Per token row (decode or verify row)."""
+    spec_request: float = 0.0
+    """Per running request per speculative iteration: drafting from the sources (calibrate_sim
+    times real rollouts with and without speculation)."""
+    spec_row: float = 0.0
+    """Per draft token verified, on top of its row's ``decode_b``: the acceptance walk and its
+    sampling (calibrate_sim: real rollouts whose bubble drafts were pre-generated, long drafts)."""
     decode_c: float = 0.0
     """Per KV position read (summed over the running requests)."""
     prefill_a: float = 1.0e-3
@@ -179,6 +191,9 @@ class LinearProfile(Profile):
 
     def decode_s(self, batch, rows, ctx):
         return self.decode_a + self.decode_b * rows + self.decode_c * ctx
+
+    def spec_s(self, requests, draft_rows):
+        return self.spec_request * np.asarray(requests, dtype=np.float64) + self.spec_row * np.asarray(draft_rows)
 
     def prefill_s(self, tokens):
         return np.where(np.asarray(tokens) > 0, self.prefill_a + self.prefill_b * np.asarray(tokens), 0.0)

@@ -8,9 +8,12 @@ process count with the ``cpu`` profile, from what the run really generated:
   tokenized as the run did; a constant if the task cannot be rebuilt);
 - placement: round robin, or LPT on the run's own length history (last group mean per uid,
   megarl/rl/placement.py's LengthHistory);
-- speculation: the step's measured tokens per target forward (``rollout_tokens /
-  target_forwards``) and draft rows per forward (rank 0's ``drafted_tokens`` over its share of
-  the target forwards): the acceptance is an input here, what is predicted is the time;
+- speculation: each response's measured tokens per target forward (``rollouts.jsonl``'s
+  ``forwards``; older dumps: the step's ``rollout_tokens / target_forwards`` for all) and the
+  step's draft rows per forward (rank 0's ``drafted_tokens`` over its share of the target
+  forwards): the acceptance is an input here, what is predicted is the time. Per response
+  matters: bubble drafts cover some responses whole (7 tokens a forward) and others not at all,
+  and a step mean would speed up the slowest responses, the critical path, as much as the rest;
 - bubble work (stream training of finished groups, bubble-draft pre-generation at idle
   priority, or pre-generation after the rollout phase when it is not bubble work), stream
   training and tail batching as the config has them. Tail batching: each
@@ -112,10 +115,14 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
     steps = []
     cap = cfg["rollout"]["max_new_tokens"]
     aborted: dict[int, dict[int, list[int]]] = {}  # step -> deferred uid -> its samples' lengths for the replay
+    fwd: dict[int, dict[int, list[int]]] = {}  # step -> uid -> its samples' target forwards (if dumped)
     for row in rollouts:
         by_uid: dict[int, list[int]] = defaultdict(list)
+        fwd[row["step"]] = defaultdict(list)
         for s in row["samples"]:
             by_uid[s["uid"]].append(len(s["tokens"]))
+            if "forwards" in s:
+                fwd[row["step"]][s["uid"]].append(s["forwards"])
         steps.append((row["step"], list(by_uid), by_uid))
         # A sample still running at the stop gets the length cap: past the stop, its length is
         # unknown and makes no difference (the round ends first); a finished one keeps its own.
@@ -158,6 +165,9 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
         if "spec" in features and m.get("target_forwards"):
             tau = m["rollout_tokens"] / m["target_forwards"]
             draft = m.get("drafted_tokens", 0) * nproc / m["target_forwards"]
+            if fwd[step]:  # each response's own tokens per forward (bubble drafts cover some, not others)
+                tau = np.asarray([(list(np.divide(by_uid[u], fwd[step][u])) if u in fwd[step] else [])
+                                  + [tau] * G for u in uids], dtype=np.float64)[:, :G]
         res, carry = simulate_step(sl, features - {"spec"}, profile, knobs, SpecModel(), nproc, carry, rng,
                                    pred=pred, keep=keep, fixed_tau=tau, fixed_draft=draft)
         for u, x in zip(uids, lens):

@@ -127,7 +127,7 @@ def _advance(s: dict, profile: Profile, group: int, max_batch: int, ks: np.ndarr
                 k_prev = int(k)
                 tk = (1.0 - q) * inv
                 rk = b * (1.0 + k)
-                score = np.einsum("ij,ij->i", act, tk) / profile.decode_s(b, rk, ctx0)
+                score = np.einsum("ij,ij->i", act, tk) / (profile.decode_s(b, rk, ctx0) + profile.spec_s(b, rk - b))
                 take = (score > best * (1 + 1e-9)) & (b <= spec_max_batch)
                 if take.any():
                     best = np.where(take, score, best)
@@ -141,7 +141,9 @@ def _advance(s: dict, profile: Profile, group: int, max_batch: int, ks: np.ndarr
         step = np.minimum(np.maximum(step, np.ceil(coarsen * s["iters"])), last)
     delta = np.where(live, np.maximum(1.0, step), 0.0)
     rate = (active * tau).sum(axis=1)
-    per_iter = np.where(live, profile.decode_s(b, rows, ctx0 + rate * np.maximum(delta - 1, 0) / 2), 0.0)
+    per_iter = profile.decode_s(b, rows, ctx0 + rate * np.maximum(delta - 1, 0) / 2)
+    # Drafting costs host work per request (replays: every iteration of a speculative run).
+    per_iter = np.where(live, per_iter + profile.spec_s(b, rows - b) * (("tau" in s) | (rows > b)), 0.0)
     t = s["t"]
     # Preempted bubble work stops mid-window, after the iterations its budget pays for.
     over = live & (t + delta * per_iter > s["budget"])

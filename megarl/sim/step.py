@@ -106,12 +106,13 @@ def tail_share(finish: np.ndarray, rollout_s: float) -> float:
 
 def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs: StepKnobs, spec: SpecModel,
                   replicas: int, carry: CarryOver, rng: np.random.Generator, *, pred: np.ndarray | None = None,
-                  seen: np.ndarray | None = None, keep: int | None = None, fixed_tau: float | None = None,
+                  seen: np.ndarray | None = None, keep: int | None = None, fixed_tau: float | np.ndarray | None = None,
                   fixed_draft: float | None = None) -> tuple[StepResult, CarryOver]:
     """One step of ``sl``'s prompts with ``features`` on. ``keep``: tail batching's short round
     (stop once ``keep`` prompts are complete, ``ceil(keep / replicas)`` per replica). Replays
     pass the run's own ``pred`` (length history), ``seen`` and measured ``fixed_tau`` /
-    ``fixed_draft`` (tokens and draft rows per target forward)."""
+    ``fixed_draft`` (tokens and draft rows per target forward; ``fixed_tau`` a number, or one
+    per response, shaped as ``sl.lengths``)."""
     bad = sorted(set(features) - set(FEATURES))
     if bad:
         raise ValueError(f"features {bad} are invalid; valid choices: {list(FEATURES)}")
@@ -132,7 +133,10 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     kw: dict = {}
     speculating = "spec" in features or fixed_tau is not None
     if fixed_tau is not None:
-        kw.update(fixed_tau=fixed_tau, fixed_draft=fixed_draft or 0.0)
+        tau = np.asarray(fixed_tau, dtype=np.float64)
+        if tau.ndim == 2:  # per response ([P, G]), laid out as the lengths are
+            tau = to_matrix(tau, assign, fill=1.0).reshape(R, -1)
+        kw.update(fixed_tau=tau, fixed_draft=fixed_draft or 0.0)
     elif "spec" in features:
         s = seen if seen is not None else rng.random(P) < spec.history_coverage
         rest = spec.rest_alpha(s, carry.drafter_fresh)

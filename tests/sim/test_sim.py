@@ -104,6 +104,19 @@ def test_speculation_cuts_decode_steps():
     assert off.iterations[0] == 100
 
 
+def test_speculation_host_work_is_charged_per_running_request():
+    # spec_request: drafting per running request per speculative iteration; spec_row: per draft token.
+    prof = LinearProfile(**{**UNIT, "spec_request": 0.5, "spec_row": 0.25})
+    lens = np.array([[2, 4]])
+    plain = run_rollout(lens, 0, prof, group=2, max_batch=2)
+    spec = run_rollout(lens, 0, prof, group=2, max_batch=2, fixed_tau=1.0, fixed_draft=0.0)
+    assert plain.end[0] == pytest.approx(4.0)  # not speculating: no drafting
+    assert spec.end[0] == pytest.approx(2 * (1 + 0.5 * 2) + 2 * (1 + 0.5 * 1))
+    # Two draft rows per request per iteration, each accepted: 3 tokens per forward.
+    drafts = run_rollout(np.array([[3, 6]]), 0, prof, group=2, max_batch=2, fixed_tau=3.0, fixed_draft=2.0)
+    assert drafts.end[0] == pytest.approx(1 * (1 + 0.5 * 2 + 0.25 * 4) + 1 * (1 + 0.5 * 1 + 0.25 * 2))
+
+
 def test_continuous_batching_admits_into_freed_slots():
     prof = LinearProfile(**UNIT)
     r = run_rollout(np.array([[10, 20, 5, 5]]), 0, prof, group=1, max_batch=2)
@@ -301,3 +314,34 @@ def test_replay_runs_deferred_prompts_as_the_stop_left_them(tmp_path):
     new = replay(step1)
     assert new >= 50 * profile.decode_a  # at least the 50 iterations of the longest kept sample
     assert old < 12 * profile.decode_a + profile.prefill_a + 1e-9 < new  # the fallback stopped after ~10
+
+
+def test_replay_speeds_up_each_response_by_its_own_acceptance(tmp_path):
+    """A speculative run's responses are replayed at their own tokens per forward (rollouts.jsonl's
+    ``forwards``): three short responses covered by bubble drafts (10 tokens a forward) do not make
+    the uncovered 100-token one, the critical path, faster. With the step's mean (an older dump
+    without ``forwards``) it would take 100 / 1.96 iterations."""
+    from megarl.config import dump_config, load_config
+    from megarl.sim.replay import replay_run
+
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "spec.enabled=true",
+                             "rl_steps=2", "stream_train=false", "rollout.max_new_tokens=200"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    lens, fwds = [100, 40, 40, 40], [100, 4, 4, 4]
+    lines = [{"step": s, "samples": [{"uid": 2 * (s - 1) + i // 2, "sample_idx": i % 2, "tokens": [3] * n,
+                                      "reward": 0.0, "finish_reason": "stop", "forwards": f}
+                                     for i, (n, f) in enumerate(zip(lens, fwds))]} for s in (1, 2)]
+    metrics = [{"step": s, "step_time_s": 1.0, "rollout_time_s": 0.5, "train_time_s": 0.5, "bubble_frac": 0.0,
+                "rollout_tokens": sum(lens), "target_forwards": sum(fwds), "drafted_tokens": 0} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    profile = LinearProfile(**UNIT)
+
+    def replay():
+        (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return replay_run(tmp_path, 1, profile)["steps"][0]["pred_gen_s"]
+
+    assert replay() == pytest.approx(100.0)  # one iteration per token of the uncovered response
+    for line in lines:
+        for smp in line["samples"]:
+            del smp["forwards"]
+    assert replay() == pytest.approx(math.ceil(100 / (220 / 112)))  # the mean: too fast
