@@ -166,8 +166,9 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
             tau = m["rollout_tokens"] / m["target_forwards"]
             draft = m.get("drafted_tokens", 0) * nproc / m["target_forwards"]
             if fwd[step]:  # each response's own tokens per forward (bubble drafts cover some, not others)
-                tau = np.asarray([(list(np.divide(by_uid[u], fwd[step][u])) if u in fwd[step] else [])
-                                  + [tau] * G for u in uids], dtype=np.float64)[:, :G]
+                own = [[n / max(1, f) for n, f in zip(by_uid[u], fwd[step][u])] if u in fwd[step] else []
+                       for u in uids]  # (deferred prompts of a short round: the step's mean)
+                tau = np.asarray([(x + [tau] * G)[:G] for x in own], dtype=np.float64)
         res, carry = simulate_step(sl, features - {"spec"}, profile, knobs, SpecModel(), nproc, carry, rng,
                                    pred=pred, keep=keep, fixed_tau=tau, fixed_draft=draft)
         for u, x in zip(uids, lens):
