@@ -5,8 +5,11 @@ Two kinds, one interface (:class:`Profile`):
 - :class:`LinearProfile` (``cpu``): fitted on measured megarl engine and trainer runs on this
   machine by ``benchmarks/calibrate_sim.py`` and loaded from ``megarl/sim/profiles/<name>.json``.
   An engine iteration costs ``a + b * rows + c * ctx`` (rows: token rows of the forward, i.e.
-  requests x (1 + draft tokens); ctx: KV positions read, summed over the running requests).
-  Processes of a run share ``cores`` CPU cores: see megarl/sim/share.py.
+  requests x (1 + draft tokens); ctx: KV positions read, summed over the running requests),
+  plus, when speculating, ``spec_request`` per running request and ``spec_row`` per draft token
+  (host work: drafting, acceptance). Processes of a run share ``cores`` CPU cores, with the
+  measured ``slowdown`` of n processes at once and ``bubble_interference`` of idle-priority
+  bubble work beside the generating ones: see megarl/sim/share.py.
 - :class:`RooflineProfile` (``h100``): from first principles, for a model shape
   (:data:`QWEN25_7B`) on one H100 SXM per rollout rank.
 

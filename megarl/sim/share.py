@@ -6,8 +6,9 @@ processor-sharing system, and the simulator must be one too to predict them:
 
 - ``n`` processes computing at normal priority each progress at ``profile.speed(n)`` work
   seconds per second: ``min(1, cores / n)`` (time slicing past ``cores``) divided by the measured
-  slowdown of ``min(n, cores)`` processes computing side by side (shared caches and memory
-  bandwidth; ``benchmarks/calibrate_sim.py`` measures it).
+  slowdown of ``n`` processes computing side by side (shared caches and memory bandwidth, and
+  past ``cores`` what each context switch costs on top of the split; ``benchmarks/calibrate_sim.py``
+  measures it).
 - Bubble work runs at the OS's idle priority (megarl/rl/bubble.py: SCHED_IDLE, nice 19): it gets
   only the cores the normal-priority processes leave free; while it runs on them, it competes
   with the normal processes for caches and memory bandwidth like any process computing beside
@@ -59,8 +60,7 @@ def run_phase(normal: np.ndarray, idle, profile: Profile) -> PhaseTimes:
     n = normal.size
     segs = (idle if isinstance(idle, list) else [("bubble", idle)]) or [("bubble", 0.0)]
     kinds = [k for k, _ in segs]
-    amount = np.stack([np.broadcast_to(np.asarray(x, dtype=np.float64), normal.shape) for _, x in segs], axis=1) \
-        if segs else np.zeros((n, 0))
+    amount = np.stack([np.broadcast_to(np.asarray(x, dtype=np.float64), normal.shape) for _, x in segs], axis=1)
     total = amount.sum(axis=1)
     if profile.cores is None:  # one device per rank: no sharing, closed form
         barrier = float(normal.max(initial=0.0))
