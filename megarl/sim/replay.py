@@ -61,15 +61,24 @@ def _prompt_lengths(run_dir: Path) -> dict[int, int] | None:
         return None
 
 
+def pregen_where(cfg: dict, nproc: int) -> str | None:
+    """Where a run's config makes bubble drafts (megarl/train.py ``_Schedule``): ``"bubble"`` (in the
+    replicas' idle time), ``"after"`` (after the rollout phase: one replica, or ``pregen`` not in
+    ``schedule.bubble_work``), or None (none made)."""
+    if not (cfg["spec"].get("enabled") and cfg["spec"].get("bubble_pregen")):
+        return None
+    work = cfg.get("schedule", {}).get("bubble_work", []) if nproc > 1 else []
+    return "bubble" if "pregen" in work else "after"
+
+
 def features_of(cfg: dict, nproc: int) -> frozenset:
     """The simulator features a run's config turns on."""
     f = set()
     if cfg["rollout"].get("placement") == "length":
         f.add("placement")
-    work = cfg.get("schedule", {}).get("bubble_work", []) if nproc > 1 else []
     if cfg.get("stream_train"):
         f.add("stream")
-    if cfg["spec"].get("enabled") and cfg["spec"].get("bubble_pregen") and "pregen" in work:
+    if pregen_where(cfg, nproc) == "bubble":
         f.add("bubble")
     if cfg.get("tail", {}).get("enabled"):
         f.add("tail")
@@ -131,10 +140,8 @@ def replay_run(run_dir: str | Path, nproc: int, profile: Profile, prompt_len: in
                                 for d in row.get("deferred", [])}
     rounds = _tail_rounds(run_dir, steps, metrics, len(plens) if plens else None) \
         if cfg.get("tail", {}).get("enabled") else None
-    work = cfg.get("schedule", {}).get("bubble_work", []) if nproc > 1 else []
     knobs = StepKnobs(group=G, max_batch=cfg["rollout"]["max_batch_size"],
-                      pregen_after=bool(cfg["spec"].get("enabled") and cfg["spec"].get("bubble_pregen")
-                                        and "pregen" not in work))
+                      pregen_after=pregen_where(cfg, nproc) == "after")
     history: dict[int, float] = {}
     carry, out = CarryOver(), []
     rng = np.random.default_rng(0)
