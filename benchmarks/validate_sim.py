@@ -78,7 +78,7 @@ def _runs(d: Path) -> list[tuple[str, Path]]:
     bench's main variants first."""
     if (d / "metrics.jsonl").is_file():
         return [(d.name, d)]
-    runs = sorted((p.name, p) for p in d.iterdir() if (p / "metrics.jsonl").is_file() and (p / "config.yaml").is_file())
+    runs = [(p.name, p) for p in d.iterdir() if (p / "metrics.jsonl").is_file() and (p / "config.yaml").is_file()]
     if not runs:
         raise SystemExit(f"validate_sim: no run (metrics.jsonl + config.yaml) in {d} or its subfolders")
     return sorted(runs, key=lambda r: (ORDER.index(r[0]) if r[0] in ORDER else len(ORDER), r[0]))

@@ -125,6 +125,11 @@ class Profile(ABC):
         """Per-step host work outside the phases above (exchanging the step's samples, logging)."""
         return 0.0
 
+    def interference(self, kind: str) -> float:
+        """Slowdown of the generating processes while bubble work of ``kind`` runs beside them
+        (processes sharing cores only; a rank that owns its device is not slowed)."""
+        return 1.0
+
     def spec_s(self, requests, draft_rows):
         """Work of one speculative engine iteration beyond its token rows' ``decode_s`` (drafting
         from the sources, verifying and accepting drafts) for ``requests`` running requests with

@@ -68,8 +68,7 @@ def run_phase(normal: np.ndarray, idle, profile: Profile) -> PhaseTimes:
         done = np.minimum(total, gap)
         return PhaseTimes(normal.copy(), done, done, barrier, None)
     bounds = np.cumsum(amount, axis=1)  # idle work done at the end of each segment
-    factor = np.array([profile.interference(k) for k in kinds]) if hasattr(profile, "interference") \
-        else np.ones(len(kinds))
+    factor = np.array([profile.interference(k) for k in kinds])
     rem, idle_rem = normal.copy(), total.copy()
     busy = np.zeros(n)
     idle_done = np.zeros(n)
