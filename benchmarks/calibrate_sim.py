@@ -4,7 +4,8 @@
         [--out megarl/sim/profiles/cpu.json]
 
 What it times, all with ONE torch thread (torchrun gives each worker one, and that is how
-``megarl bench schedule`` runs), best of ``--repeat`` to keep other load out of the figures:
+``megarl bench schedule`` runs), best of ``--repeat`` to keep other load out of the figures
+(contention and interference: medians, see 3.):
 
 1. **Engine decode** (megarl/engine/engine.py): ``generate`` of B requests that never stop
    (no stop token) for L tokens, over a grid of B and L; groups of 8 share a prompt, as in GRPO.
@@ -25,14 +26,18 @@ they cannot separate a from b, since every real step has about the same batch pr
 them the synthetic grid under-predicts real rollouts by ~15-25% (requests finishing at different
 times cost host work the grid does not have).
 
-3. **Contention**: the same decode loop in 1, 2 and 4 processes at once (2 cores), each in its own
-   session as torchrun starts them: ``slowdown["2"]`` is the 2-process time over one alone
-   (shared caches and memory bandwidth), ``slowdown["4"]`` the 4-process time over one alone
-   and over time-sharing (4 / cores): 4 processes on 2 cores cost ~1.3x more than the split
-   (context switches refill the caches). megarl/sim/share.py interpolates between them.
+3. **Contention**: a fixed piece of work (the decode loop; the trainer's forward/backward) in 1, 2
+   and 4 processes at once (2 cores), each in its own session as torchrun starts them, started and
+   released together (megarl/sim/probe.py), alternating 1-process and n-process probes:
+   ``slowdown["2"]`` is the 2-process time over one alone (shared caches and memory bandwidth),
+   ``slowdown["4"]`` the 4-process time over one alone and over time-sharing (4 / cores): 4
+   processes on 2 cores cost ~1.3x more than the split (context switches refill the caches).
+   ``train_slowdown``: the same for forward/backward passes, which contend more than decoding
+   (bigger activations). megarl/sim/share.py interpolates between them.
 4. **Bubble interference**: the decode loop of 2 processes beside 2 idle-priority workers (the
-   priority megarl's bubble work gets) doing stream training's forward/backward passes, or
-   decoding (pre-generation), over the same 2 processes alone: ``bubble_interference`` by kind.
+   priority megarl's bubble work gets) doing forward/backward passes (stream training), or
+   decoding (pre-generation), over the same 2 processes alone, alternately: ``bubble_interference``
+   by kind.
 5. **Speculation**: with ``--from-hf``, the real steps again with speculation on (the config's
    sources; the same tokens), once as they come (few drafts) and once with each step's bubble
    drafts pre-generated first (long drafts, all accepted): their excess over the decode fit for
@@ -59,41 +64,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _setup(config: str, from_hf: str | None = None):
-    import torch
-
-    torch.set_num_threads(1)
-    from megarl.config import load_config
-    from megarl.setup_run import prepare_inputs
-
-    cfg = load_config(config, ["sft.steps=0"] + ([f"model.init_from_hf={from_hf}"] if from_hf else []))
-    return cfg, prepare_inputs(cfg)
-
-
-def _engine(cfg, inputs, batch: int, spec: bool = False):
-    """The run's engine shape: ``rollout.max_batch_size`` slots whatever the batch (the slot
-    cache's size changes the cost of attention: 18% at 64 requests in 256 vs 64 slots). With
-    ``spec``, speculation from the config's sources (none pre-generated: no bubble drafts)."""
-    import dataclasses
-
-    from megarl.engine import Engine, EngineConfig
-    from megarl.models.llama import CausalLM
-    from megarl.spec.speculator import Speculator
-
-    model = CausalLM(inputs.args)
-    spec_obj = Speculator(dataclasses.replace(cfg.spec, enabled=True, bubble_pregen=False)) if spec else None
-    return Engine(model, EngineConfig(max_batch_size=max(batch, cfg.rollout.max_batch_size), max_seq_len=inputs.args.max_position_embeddings,
-                                      dtype=cfg.rollout.dtype, device="cpu"), seed=0, spec=spec_obj)
-
-
-def _requests(batch: int, length: int, prompt_len: int, vocab: int, group: int = 8):
-    from megarl.engine import Request, SamplingParams
-
-    params = SamplingParams(temperature=1.0, max_new_tokens=length, stop_token_ids=())
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(3, vocab, prompt_len)) for _ in range((batch + group - 1) // group)]
-    return [Request(uid=i // group, sample_idx=i % group, prompt_ids=[int(t) for t in prompts[i // group]],
-                    params=params) for i in range(batch)]
+from megarl.sim.probe import SpeedProbe, alternate, decode_requests as _requests, make_engine as _engine  # noqa: E402
+from megarl.sim.probe import setup as _setup, tiny_loss as _tiny_loss, train_batch as _train_batch  # noqa: E402
+from megarl.sim.probe import work_fn  # noqa: E402
 
 
 def time_decode(cfg, inputs, batch: int, length: int, prompt_len: int, repeat: int) -> float:
@@ -251,20 +224,6 @@ def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
     return max(0.0, y0 - b * x0) / 2, b  # half the fixed part: the other half is the decode row's iteration
 
 
-def _train_batch(rng, vocab: int, n: int, w: int) -> dict:
-    """``n`` rows of ``w`` random tokens, the first 10 a prompt (no loss)."""
-    import torch
-
-    ids = torch.as_tensor(rng.integers(3, vocab, (n, w)), dtype=torch.long)
-    mask = torch.zeros((n, w - 1))
-    mask[:, 10:] = 1.0
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.ones(n)}
-
-
-def _tiny_loss(logprobs, m):
-    return (-(logprobs * m["loss_mask"]).sum() * 1e-6, {})
-
-
 def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
     import torch
 
@@ -377,42 +336,38 @@ def overhead_per_response(cfg, inputs) -> float:
     return (time.perf_counter() - t0) / 5 / len(res)
 
 
-def contention(config: str, procs: int, repeat: int) -> float:
-    """Mean seconds of one decode run (B=64, L=64) in each of ``procs`` processes started together
-    (each in its own session, as torchrun starts its workers: its own scheduling group)."""
-    cmd = [sys.executable, __file__, "--config", config, "--repeat", str(repeat), "--decode-once"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ps = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-          for _ in range(procs)]
-    out = [float(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
-    return float(np.mean(out))
+def contention(config: str, repeat: int, rounds: int) -> tuple[dict, dict, dict]:
+    """``slowdown`` (decode loop) and ``train_slowdown`` (forward/backward passes): the time of
+    one piece of work in 2 and in 4 processes at once over one process alone, the 4-process one
+    over time-sharing too (4 / cores), each as the median of ``rounds`` ratios of alternating
+    probes (megarl/sim/probe.py: workers started together, released together; alternating with
+    the 1-process probe keeps the machine's drift out of the ratio). Returns the two dicts and
+    the raw times for ``meta``."""
+    cores = float(os.cpu_count() or 2)
+    out, raw = {}, {}
+    for kind in ("decode", "train"):
+        fig = {"1": 1.0}
+        with SpeedProbe(config, 1, kind, repeat) as p1:
+            for n in (2, 4):
+                with SpeedProbe(config, n, kind, repeat) as pn:
+                    ratio, t1, tn = alternate(p1, pn, rounds)
+                fig[str(n)] = round(max(1.0, ratio / max(1.0, n / cores)), 4)
+                raw[f"{kind}_{n}"] = {"alone_s": [round(x, 4) for x in t1], "together_s": [round(x, 4) for x in tn]}
+                print(f"contention ({kind}): {n} processes at once {ratio:.3f}x one alone "
+                      f"(slowdown {fig[str(n)]:.3f} past time-sharing)", flush=True)
+        out[kind] = fig
+    return out["decode"], out["train"], {"contention_s": raw}
 
 
 def idle_work_forever(config: str, kind: str) -> None:
     """A contention worker standing in for bubble work, at the priority megarl gives it
     (megarl/rl/bubble.py: the thread SCHED_IDLE, the process's scheduling group nice 19; it runs
-    in its own session, as torchrun's workers do): stream training's forward/backward passes of
-    one group (``train``: 8 rows of 112 tokens) or decoding (``decode``: pre-generation), until
+    in its own session, as torchrun's workers do): the speed probe's forward/backward passes
+    (``train``: stream or drafter training) or decoding (``decode``: pre-generation), until
     killed. Prints ``ready`` once it has warmed up (at normal priority) and lowered itself."""
     from megarl.rl.bubble import AutogroupNice, lower_thread_priority
 
-    cfg, inputs = _setup(config)
-    if kind == "decode":
-        eng = _engine(cfg, inputs, 64)
-        reqs = _requests(64, 64, 12, inputs.args.vocab_size)
-        work = lambda i: eng.generate(reqs, step=i)
-    else:
-        from megarl.parallel.dist import init_parallel
-        from megarl.stream_train.trainer import Trainer
-
-        trainer = Trainer(inputs.args, cfg.trainer, init_parallel(), seed=0, hf_dir=inputs.init_from_hf)
-        b = _train_batch(np.random.default_rng(0), inputs.args.vocab_size, 8, 112)
-
-        def work(i):
-            if i % 8 == 0:
-                trainer.begin_step()
-            trainer.accumulate(b, _tiny_loss)
-    work(0)
+    work = work_fn(config, kind)
     lower_thread_priority()
     AutogroupNice().__enter__()  # undone when the process is killed: the group is this process's own
     print("ready", flush=True)
@@ -422,40 +377,41 @@ def idle_work_forever(config: str, kind: str) -> None:
         i += 1
 
 
-def interference(config: str, repeat: int) -> tuple[dict, dict]:
+def interference(config: str, repeat: int, rounds: int) -> tuple[dict, dict]:
     """``bubble_interference`` by kind of bubble work: the decode loop of 2 processes (the
     generating replicas) timed beside 2 idle-priority workers (``idle_work_forever``) over
-    timed alone (the mean of before and after). Returns the profile's figures (>= 1) and the
-    raw ones for ``meta``."""
+    timed alone, alternately (alone, beside, alone, ...: ``rounds`` of each, the median ratio).
+    Returns the profile's figures (>= 1) and the raw ones for ``meta``."""
     cmd = [sys.executable, __file__, "--config", config, "--idle-work"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    alone = [contention(config, 2, repeat)]
-    raw = {}
-    for kind, work in (("stream_train", "train"), ("pregen", "decode")):
-        idle = [subprocess.Popen([*cmd, work], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-                for _ in range(2)]
-        try:
-            for p in idle:
-                while (line := p.stdout.readline()) and line.strip() != "ready":
-                    pass
-                if not line:
-                    raise RuntimeError(f"calibrate_sim: the idle-priority {work} worker exited ({p.wait()})")
-            raw[kind] = contention(config, 2, repeat)
-        finally:
-            for p in idle:
-                p.kill()
-                p.wait()
-    alone.append(contention(config, 2, repeat))
-    base = float(np.mean(alone))
-    ratios = {k: v / base for k, v in raw.items()}
+    raw, ratios = {}, {}
+    with SpeedProbe(config, 2, "decode", repeat) as p2:
+        for kind, work in (("stream_train", "train"), ("pregen", "decode")):
+            alone, beside = [p2.measure()], []
+            for _ in range(rounds):
+                idle = [subprocess.Popen([*cmd, work], stdout=subprocess.PIPE, text=True, env=env,
+                                         start_new_session=True) for _ in range(2)]
+                try:
+                    for p in idle:
+                        while (line := p.stdout.readline()) and line.strip() != "ready":
+                            pass
+                        if not line:
+                            raise RuntimeError(f"calibrate_sim: the idle-priority {work} worker exited ({p.wait()})")
+                    beside.append(p2.measure())
+                finally:
+                    for p in idle:
+                        p.kill()
+                        p.wait()
+                alone.append(p2.measure())
+            ratios[kind] = float(np.median([x / (0.5 * (alone[i] + alone[i + 1])) for i, x in enumerate(beside)]))
+            raw[kind] = {"alone_s": [round(x, 4) for x in alone], "beside_s": [round(x, 4) for x in beside]}
     # Drafter training is forward/backward passes too (of a smaller model): the training figure.
     figures = {k: round(max(1.0, ratios[w]), 4) for k, w in (("stream_train", "stream_train"),
                                                               ("drafter_train", "stream_train"),
                                                               ("pregen", "pregen"))}
-    print(f"interference: decode of 2 processes alone {base:.3f}s; beside 2 idle-priority workers: "
-          + ", ".join(f"{k} {v:.3f}s ({ratios[k]:.3f}x)" for k, v in raw.items()), flush=True)
-    return figures, {"interference_alone_s": [round(x, 4) for x in alone],
-                     "interference_beside_s": {k: round(v, 4) for k, v in raw.items()}}
+    print("interference: decode of 2 processes beside 2 idle-priority workers over alone: "
+          + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()), flush=True)
+    return figures, {"interference_s": raw}
 
 
 def main() -> None:
@@ -466,15 +422,12 @@ def main() -> None:
     ap.add_argument("--from-hf", default=None, help="trained policy (HF folder, e.g. a bench schedule work dir's "
                                                       "sft/hf): also fit on real rollouts and updates of it")
     ap.add_argument("--real-steps", type=int, default=6, help="real RL steps timed with --from-hf (default 6)")
-    ap.add_argument("--decode-once", action="store_true", help=argparse.SUPPRESS)  # a contention worker
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating rounds per contention and interference ratio (median kept; default 5)")
     ap.add_argument("--idle-work", choices=("train", "decode"), help=argparse.SUPPRESS)  # an interference worker
     args = ap.parse_args()
     if args.idle_work:
         idle_work_forever(args.config, args.idle_work)
-        return
-    if args.decode_once:
-        cfg, inputs = _setup(args.config)
-        print(time_decode(cfg, inputs, 64, 64, 12, args.repeat))
         return
     from megarl.sim.hardware import LinearProfile
     from megarl.utils.fs import atomic_write_text
@@ -489,23 +442,18 @@ def main() -> None:
     spec_fit, spec_meta = fit_spec(cfg, real_spec, LinearProfile(**dec, prefill_a=pre[0], prefill_b=pre[1]))
     tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
     ovh = overhead_per_response(cfg, inputs)
-    t1 = contention(args.config, 1, args.repeat)
-    t2 = contention(args.config, 2, args.repeat)
-    t4 = contention(args.config, 4, 1)
-    inter, inter_meta = interference(args.config, args.repeat)
+    slow, train_slow, cont_meta = contention(args.config, args.repeat, args.rounds)
+    inter, inter_meta = interference(args.config, args.repeat, args.rounds)
     cores = float(os.cpu_count() or 2)
     prof = LinearProfile(name="cpu", **dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr,
                          overhead_per_response=ovh,
-                         cores=cores, slowdown={"1": 1.0, "2": round(max(1.0, t2 / t1), 4),
-                                                "4": round(max(1.0, t4 / (t1 * max(1.0, 4 / cores))), 4)},
+                         cores=cores, slowdown=slow, train_slowdown=train_slow,
                          bubble_interference=inter,
                          meta={"config": os.path.relpath(args.config, ROOT), "cpu_count": os.cpu_count(),
                                "torch_threads": 1, "from_hf": args.from_hf, "real_steps": len(real), "date": time.strftime("%Y-%m-%d %H:%M"),
                                "loadavg_before": [round(x, 2) for x in load0],
                                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                               "contention_s": {"1": round(t1, 4), "2": round(t2, 4), "4": round(t4, 4)},
-                               "contention_4_over_predicted": round(t4 / (t1 * 2 * max(1.0, t2 / t1)), 3),
-                               **inter_meta, **spec_meta,
+                               **cont_meta, **inter_meta, **spec_meta,
                                **dec_meta, **tr_meta})
     atomic_write_text(args.out, prof.to_json() + "\n")
     print(json.dumps({k: v for k, v in json.loads(prof.to_json()).items() if k != "meta"}, indent=1))

@@ -189,6 +189,10 @@ class LinearProfile(Profile):
     speed by that first). Up to ``cores`` it is shared caches and memory bandwidth; past it, also
     what time-sharing costs beyond the split itself (context switches, every switch refilling the
     caches: ~1.3x with 4 processes on 2 cores here). Counts between measured ones interpolate."""
+    train_slowdown: dict | None = None
+    """``slowdown`` for forward/backward passes (the trainers of a data-parallel step training at
+    once); None: ``slowdown``. Measured apart because training contends more than decoding:
+    ~1.2x for 2 processes on 2 cores where decoding is ~1.05x (calibrate_sim)."""
     bubble_interference: float | dict = 1.15
     """Slowdown of the generating processes while other processes do idle-priority bubble work,
     by kind of bubble work (``stream_train``, ``drafter_train``, ``pregen``; a number: every kind).
@@ -230,19 +234,20 @@ class LinearProfile(Profile):
     def overhead_s(self, responses: int) -> float:
         return self.overhead_per_response * responses
 
-    def speed_slowdown(self, n: int) -> float:
-        """Measured slowdown of ``n`` processes computing at once (``slowdown``), linear between
-        measured counts; past the largest one, the largest one."""
-        keys = sorted(int(k) for k in self.slowdown)
-        vals = [float(self.slowdown[str(k)]) for k in keys]
+    def speed_slowdown(self, n: int, work: str = "decode") -> float:
+        """Measured slowdown of ``n`` processes computing at once (``slowdown``; ``work="train"``:
+        ``train_slowdown``), linear between measured counts; past the largest one, the largest one."""
+        table = self.train_slowdown if work == "train" and self.train_slowdown else self.slowdown
+        keys = sorted(int(k) for k in table)
+        vals = [float(table[str(k)]) for k in keys]
         return float(np.interp(n, keys, vals))
 
-    def speed(self, n_busy: int) -> float:
+    def speed(self, n_busy: int, work: str = "decode") -> float:
         """Work per second of each of ``n_busy`` processes computing at once on ``cores`` cores."""
         if n_busy <= 0:
             return 1.0
         cores = self.cores or n_busy
-        return min(1.0, cores / n_busy) / self.speed_slowdown(n_busy)
+        return min(1.0, cores / n_busy) / self.speed_slowdown(n_busy, work)
 
     def interference(self, kind: str) -> float:
         """Slowdown of the generating processes while bubble work of ``kind`` runs beside them."""

@@ -8,7 +8,7 @@ processor-sharing system, and the simulator must be one too to predict them:
   seconds per second: ``min(1, cores / n)`` (time slicing past ``cores``) divided by the measured
   slowdown of ``n`` processes computing side by side (shared caches and memory bandwidth, and
   past ``cores`` what each context switch costs on top of the split; ``benchmarks/calibrate_sim.py``
-  measures it).
+  measures it, for decoding and for training apart).
 - Bubble work runs at the OS's idle priority (megarl/rl/bubble.py: SCHED_IDLE, nice 19): it gets
   only the cores the normal-priority processes leave free; while it runs on them, it competes
   with the normal processes for caches and memory bandwidth like any process computing beside
@@ -51,11 +51,12 @@ class PhaseTimes:
         return np.interp(work, done, wall)
 
 
-def run_phase(normal: np.ndarray, idle, profile: Profile) -> PhaseTimes:
+def run_phase(normal: np.ndarray, idle, profile: Profile, work: str = "decode") -> PhaseTimes:
     """Wall times of one phase (see the module docstring). ``normal[i]``: work seconds of
-    process ``i``. ``idle``: its idle-priority work, either seconds per process (one kind) or
-    a list of ``(kind, seconds per process)`` segments done in that order (seconds may be
-    ``inf``: pre-generation never runs out)."""
+    process ``i``, of kind ``work`` (``decode``, or ``train``: the trainers' forward/backward
+    passes, whose contention is ``train_slowdown``). ``idle``: its idle-priority work, either
+    seconds per process (one kind) or a list of ``(kind, seconds per process)`` segments done in
+    that order (seconds may be ``inf``: pre-generation never runs out)."""
     normal = np.asarray(normal, dtype=np.float64)
     n = normal.size
     segs = (idle if isinstance(idle, list) else [("bubble", idle)]) or [("bubble", 0.0)]
@@ -82,7 +83,7 @@ def run_phase(normal: np.ndarray, idle, profile: Profile) -> PhaseTimes:
         free = max(0.0, profile.cores - k)
         # Idle work on the free cores competes for caches and memory like a normal process would.
         sharing = max(k, min(k + m, int(np.ceil(profile.cores)))) if free > 0 else k
-        speed = min(1.0, profile.cores / k) / profile.speed_slowdown(sharing)
+        speed = min(1.0, profile.cores / k) / profile.speed_slowdown(sharing, work)
         seg = np.argmax(bounds > idle_done[:, None] + 1e-12, axis=1)  # each process's current segment
         if m:
             speed /= max(1.0, float(factor[seg[run_i]].max()))

@@ -185,13 +185,13 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
         # DP rank r trains rows r::R of the step's sequences in prompt order (megarl/rl/batching.py).
         flat = (sl.lengths + sl.prompt_len[:, None])[complete].ravel()
         left = np.array([profile.train_s(flat[r::R], stream=False) for r in range(R)]) / knobs.tp
-    train = run_phase(left, np.zeros(R), profile).barrier
+    train = run_phase(left, np.zeros(R), profile, work="train").barrier
     if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
         # The replicas exchange without waiting for the stream-training unit in flight; training
         # waits for it (megarl/rl/rollout.py wait_bubble): half a group's forward/backward on average.
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
-        train += 0.5 * unit / (profile.speed(R) if profile.cores is not None else 1.0)
-    all_speed = profile.speed(R) if profile.cores is not None else 1.0
+        train += 0.5 * unit / (profile.speed(R, "train") if profile.cores is not None else 1.0)
+    all_speed = profile.speed(R, "train") if profile.cores is not None else 1.0
     train += profile.finish_s(R) / all_speed
     sync = profile.sync_s(R) / all_speed
     out = StepResult(step_time_s=rollout_s + after_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,

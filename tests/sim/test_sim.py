@@ -150,6 +150,18 @@ def test_time_sharing_past_the_cores_costs_the_measured_slowdown():
     assert run_phase(np.ones(2), np.zeros(2), prof).barrier == pytest.approx(1.0)
 
 
+def test_training_contends_by_its_own_measured_slowdown():
+    # Two trainers side by side: train_slowdown["2"] = 1.25 for forward/backward work, decoding keeps
+    # slowdown["2"] = 1.0; without train_slowdown, training falls back to slowdown.
+    prof = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.0}, train_slowdown={"1": 1.0, "2": 1.25},
+                         bubble_interference=1.0)
+    assert run_phase(np.ones(2), np.zeros(2), prof, work="train").barrier == pytest.approx(1.25)
+    assert run_phase(np.ones(2), np.zeros(2), prof).barrier == pytest.approx(1.0)
+    assert prof.speed(2, "train") == pytest.approx(0.8) and prof.speed(2) == pytest.approx(1.0)
+    plain = LinearProfile(cores=2.0, slowdown={"1": 1.0, "2": 1.1}, bubble_interference=1.0)
+    assert run_phase(np.ones(2), np.zeros(2), plain, work="train").barrier == pytest.approx(1.1)
+
+
 def test_bubble_interference_by_kind_of_work():
     # Two generating processes (2 s of work) on two cores, two more with idle-priority bubble work:
     # stream training slows the generating ones 1.5x, pre-generation 1.1x.
