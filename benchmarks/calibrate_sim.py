@@ -32,8 +32,13 @@ times cost host work the grid does not have).
    ``slowdown["2"]`` is the 2-process time over one alone (shared caches and memory bandwidth),
    ``slowdown["4"]`` the 4-process time over one alone and over time-sharing (4 / cores): 4
    processes on 2 cores cost ~1.3x more than the split (context switches refill the caches).
-   ``train_slowdown``: the same for forward/backward passes, which contend more than decoding
-   (bigger activations). megarl/sim/share.py interpolates between them.
+   ``train_slowdown``: the same for forward/backward passes. megarl/sim/share.py interpolates
+   between the counts. With ``--from-hf`` these probe figures only go into ``meta``
+   (``probe_slowdown``): both tables are fitted on real runs instead (``--real-procs``, 2 and 4
+   processes: ``megarl train``'s plain synchronous baseline on another seed than the runs being
+   validated, replayed with the one-process figures: measured over predicted generate phase and
+   training phase). Real runs contend more than the clean probe loops (the replicas' exchange,
+   the gradient all-reduce over gloo, the reward pool, the waiting processes).
 4. **Bubble interference**: the decode loop of 2 processes beside 2 idle-priority workers (the
    priority megarl's bubble work gets) doing forward/backward passes (stream training), or
    decoding (pre-generation), over the same 2 processes alone, alternately: ``bubble_interference``
@@ -359,6 +364,40 @@ def contention(config: str, repeat: int, rounds: int) -> tuple[dict, dict, dict]
     return out["decode"], out["train"], {"contention_s": raw}
 
 
+def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed: int, profile) -> tuple[dict, dict, dict]:
+    """``slowdown`` and ``train_slowdown`` from real multi-process runs: for each process count,
+    ``megarl train`` (torchrun, the plain synchronous baseline of ``megarl bench schedule``, another
+    seed than the bench's: other prompts in another order) for ``steps`` steps, replayed through
+    the simulator with ``profile`` (this calibration's one-process figures, no slowdown); the
+    slowdown is measured over predicted, summed over the steps after the first: the generate
+    phase for ``slowdown``, the training phase for ``train_slowdown``. It holds what a clean
+    probe does not: the replicas' exchange over gloo, gradient all-reduce, the reward pool, the
+    waiting processes' polling (the probes say 1.07-1.2x for 2 processes, real runs more)."""
+    import dataclasses
+    import tempfile
+
+    from megarl.bench.schedule import COMMON, VARIANTS, launch_train
+    from megarl.sim.replay import replay_run
+
+    flat = dataclasses.replace(profile, slowdown={"1": 1.0}, train_slowdown=None, bubble_interference=1.0)
+    slow, train_slow, raw = {"1": 1.0}, {"1": 1.0}, {}
+    with tempfile.TemporaryDirectory(prefix="calibrate-sim-") as tmp:
+        for n in procs:
+            run = Path(tmp) / f"p{n}"
+            launch_train(n, config, [*COMMON, *VARIANTS["baseline"], f"rl_steps={steps}", f"seed={seed}",
+                                     f"model.init_from_hf={from_hf}"], run, Path(tmp) / f"p{n}.log")
+            body = replay_run(run, n, flat)["steps"][1:]
+            tot = {k: float(sum(r[k] for r in body)) for k in ("meas_gen_s", "pred_gen_s", "meas_train_s", "pred_train_s")}
+            slow[str(n)] = round(max(1.0, tot["meas_gen_s"] / tot["pred_gen_s"]), 4)
+            train_slow[str(n)] = round(max(1.0, tot["meas_train_s"] / tot["pred_train_s"]), 4)
+            raw[str(n)] = {k: round(v, 4) for k, v in tot.items()}
+            print(f"real run on {n} processes ({len(body)} steps): generate {tot['meas_gen_s']:.2f}s measured / "
+                  f"{tot['pred_gen_s']:.2f}s one-process figures -> slowdown {slow[str(n)]}; training "
+                  f"{tot['meas_train_s']:.2f}s / {tot['pred_train_s']:.2f}s -> train_slowdown {train_slow[str(n)]}",
+                  flush=True)
+    return slow, train_slow, {"real_runs": {"steps": steps, "seed": seed, **raw}}
+
+
 def idle_work_forever(config: str, kind: str) -> None:
     """A contention worker standing in for bubble work, at the priority megarl gives it
     (megarl/rl/bubble.py: the thread SCHED_IDLE, the process's scheduling group nice 19; it runs
@@ -422,6 +461,13 @@ def main() -> None:
     ap.add_argument("--from-hf", default=None, help="trained policy (HF folder, e.g. a bench schedule work dir's "
                                                       "sft/hf): also fit on real rollouts and updates of it")
     ap.add_argument("--real-steps", type=int, default=6, help="real RL steps timed with --from-hf (default 6)")
+    ap.add_argument("--real-procs", default="2,4",
+                    help="with --from-hf: process counts of the real runs slowdown and train_slowdown are fitted on "
+                         "(default 2,4; empty: the probes' figures)")
+    ap.add_argument("--real-run-steps", type=int, default=8, help="steps of each real multi-process run (default 8)")
+    ap.add_argument("--real-run-seed", type=int, default=4321,
+                    help="seed of the real multi-process runs (default 4321: not the configs' 1234, so other prompts "
+                         "than the runs being validated)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds per contention and interference ratio (median kept; default 5)")
     ap.add_argument("--idle-work", choices=("train", "decode"), help=argparse.SUPPRESS)  # an interference worker
@@ -443,6 +489,14 @@ def main() -> None:
     tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
     ovh = overhead_per_response(cfg, inputs)
     slow, train_slow, cont_meta = contention(args.config, args.repeat, args.rounds)
+    cont_meta = {**cont_meta, "probe_slowdown": slow, "probe_train_slowdown": train_slow}
+    procs = [int(x) for x in args.real_procs.split(",") if x.strip()]
+    if args.from_hf and procs:
+        one = LinearProfile(**dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
+                            cores=float(os.cpu_count() or 2))
+        slow, train_slow, real_meta = fit_real_runs(args.config, args.from_hf, procs, args.real_run_steps,
+                                                    args.real_run_seed, one)
+        cont_meta.update(real_meta)
     inter, inter_meta = interference(args.config, args.repeat, args.rounds)
     cores = float(os.cpu_count() or 2)
     prof = LinearProfile(name="cpu", **dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr,

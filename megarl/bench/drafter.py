@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megarl.bench.schedule import _launch, _read_jsonl, warm_start_overrides
+from megarl.bench.schedule import launch_train, _read_jsonl, warm_start_overrides
 from megarl.config import RunConfig
 from megarl.engine import Engine, Request, SamplingParams
 from megarl.models.hf_io import load_hf_model
@@ -106,7 +106,7 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
         kind = name.rstrip("2")
         print(f"bench drafter: RL run with drafter training {kind} ({nproc} processes, {steps} steps) -> {name}",
               flush=True)
-        wall = _launch(nproc, config, [*base, *RUNS[kind]], work / name, work / f"{name}.log")
+        wall = launch_train(nproc, config, [*base, *RUNS[kind]], work / name, work / f"{name}.log")
         metrics = _read_jsonl(work / name / "metrics.jsonl")
         report[f"run_{name}"] = {"wall_s": wall, "step_time_s": float(np.mean([m["step_time_s"] for m in metrics])),
                                  "rollout_time_s": float(np.mean([m["rollout_time_s"] for m in metrics])),

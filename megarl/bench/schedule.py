@@ -75,7 +75,7 @@ def warm_start_overrides(what: str, config, cfg: RunConfig, overrides: list[str]
     start = from_hf or cfg.model.init_from_hf
     if from_hf is None and cfg.sft.steps > 0:
         print(f"{what}: SFT warm-up ({cfg.sft.steps} steps) -> {work / 'sft'}", flush=True)
-        report["sft_time_s"] = _launch(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
+        report["sft_time_s"] = launch_train(1, config, [*overrides, "rl_steps=0", "checkpoint_every=0", "progress=false"],
                                        work / "sft", work / "sft.log")
         start = str(work / "sft" / "hf")
     return [*overrides, *common, f"rl_steps={steps}"] + ([f"model.init_from_hf={start}"] if start else [])
@@ -88,7 +88,7 @@ def _env() -> dict:
     return env
 
 
-def _launch(nproc: int, config: str | None, overrides: list[str], run_dir: Path, log: Path) -> float:
+def launch_train(nproc: int, config: str | None, overrides: list[str], run_dir: Path, log: Path) -> float:
     """``megarl train`` on ``nproc`` local processes; returns its wall time. Its output goes to
     ``log``; a failed run raises with the log's tail."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -153,18 +153,18 @@ def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str
     base = warm_start_overrides("bench schedule", config, cfg, overrides, work, from_hf, report, steps, COMMON)
     for name, extra in VARIANTS.items():
         print(f"bench schedule: {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
-        wall = _launch(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
+        wall = launch_train(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
         report[name] = {**_summary(work / name), "wall_s": wall}
     if tail:
         print(f"bench schedule: megarl + tail batching on {nproc} processes, {steps} steps -> {work / 'tail'}",
               flush=True)
-        wall = _launch(nproc, config, [*base, *VARIANTS["megarl"], *TAIL], work / "tail", work / "tail.log")
+        wall = launch_train(nproc, config, [*base, *VARIANTS["megarl"], *TAIL], work / "tail", work / "tail.log")
         report["tail"] = {**_summary(work / "tail"), "wall_s": wall}
         report["tail_rollout_speedup"] = report["baseline"]["rollout_time_s"] / report["tail"]["rollout_time_s"]
         report["tail_step_speedup"] = report["baseline"]["step_time_s"] / report["tail"]["step_time_s"]
     for name, extra in (ABLATIONS.items() if ablations else ()):
         print(f"bench schedule: megarl with {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
-        wall = _launch(nproc, config, [*base, *VARIANTS["megarl"], *extra], work / name, work / f"{name}.log")
+        wall = launch_train(nproc, config, [*base, *VARIANTS["megarl"], *extra], work / name, work / f"{name}.log")
         report[name] = {**_summary(work / name), "wall_s": wall}
         report[name]["step_speedup"] = report["baseline"]["step_time_s"] / report[name]["step_time_s"]
         report[name]["samples_identical"] = _same_samples(work / "baseline", work / name)[0]
