@@ -69,14 +69,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from megarl.sim.probe import SpeedProbe, alternate, decode_requests as _requests, make_engine as _engine  # noqa: E402
-from megarl.sim.probe import setup as _setup, tiny_loss as _tiny_loss, train_batch as _train_batch  # noqa: E402
-from megarl.sim.probe import work_fn  # noqa: E402
+from megarl.sim import probe
+from megarl.sim.probe import SpeedProbe, alternate
 
 
 def time_decode(cfg, inputs, batch: int, length: int, prompt_len: int, repeat: int) -> float:
-    eng = _engine(cfg, inputs, batch)
-    reqs = _requests(batch, length, prompt_len, inputs.args.vocab_size)
+    eng = probe.make_engine(cfg, inputs, batch)
+    reqs = probe.decode_requests(batch, length, prompt_len, inputs.args.vocab_size)
     eng.generate(reqs[: min(batch, 8)], step=0)  # warm-up
     best = np.inf
     for r in range(repeat):
@@ -89,8 +88,8 @@ def time_decode(cfg, inputs, batch: int, length: int, prompt_len: int, repeat: i
 def time_prefill(cfg, inputs, batch: int, prompt_len: int, repeat: int) -> float:
     """One engine iteration of 1 token after caching the prompts, minus nothing: measured as
     generate(max_new_tokens=1), i.e. prefill + one decode row per request."""
-    eng = _engine(cfg, inputs, batch)
-    reqs = _requests(batch, 1, prompt_len, inputs.args.vocab_size)
+    eng = probe.make_engine(cfg, inputs, batch)
+    reqs = probe.decode_requests(batch, 1, prompt_len, inputs.args.vocab_size)
     eng.generate(reqs, step=0)
     best = np.inf
     for r in range(repeat):
@@ -108,7 +107,7 @@ def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = Fa
     step's bubble drafts pre-generated first (untimed: long drafts, all accepted)."""
     from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
 
-    eng = _engine(cfg, inputs, cfg.rollout.max_batch_size, spec=spec)
+    eng = probe.make_engine(cfg, inputs, cfg.rollout.max_batch_size, spec=spec)
     if inputs.init_from_hf:
         from megarl.models.hf_io import load_hf_model
 
@@ -230,7 +229,6 @@ def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
 
 
 def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
-    import torch
 
     from megarl.parallel.dist import init_parallel, teardown
     from megarl.rl.update import StreamUpdate, grpo_update
@@ -242,8 +240,8 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
         trainer = Trainer(inputs.args, cfg.trainer, dims, seed=0, hf_dir=inputs.init_from_hf)
         mb = cfg.trainer.micro_batch_size
         rng = np.random.default_rng(0)
-        batch = lambda n, w: _train_batch(rng, inputs.args.vocab_size, n, w)
-        loss_fn = _tiny_loss
+        batch = lambda n, w: probe.train_batch(rng, inputs.args.vocab_size, n, w)
+        loss_fn = probe.tiny_loss
 
         fX, fy, bX, by, grid, full_rows = [], [], [], [], [], []
         for n, w in ((8, 32), (8, 96), (8, 192), (8, 320), (16, 64), (32, 128), (32, 256)):
@@ -296,7 +294,7 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
             t0 = time.perf_counter()
             trainer.finish_step(scale=1e-3)
             t_fin = min(t_fin, time.perf_counter() - t0)
-        eng = _engine(cfg, inputs, 8)
+        eng = probe.make_engine(cfg, inputs, 8)
         t_sync = np.inf
         for _ in range(repeat):
             t0 = time.perf_counter()
@@ -333,8 +331,8 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
 def overhead_per_response(cfg, inputs) -> float:
     """Host work per response per step outside engine and trainer: pickling a result for the
     replicas' exchange (all_gather_object) and back, and scoring it."""
-    eng = _engine(cfg, inputs, 64)
-    res = eng.generate(_requests(64, 40, 12, inputs.args.vocab_size), step=0)
+    eng = probe.make_engine(cfg, inputs, 64)
+    res = eng.generate(probe.decode_requests(64, 40, 12, inputs.args.vocab_size), step=0)
     t0 = time.perf_counter()
     for _ in range(5):
         pickle.loads(pickle.dumps(res))
@@ -406,7 +404,7 @@ def idle_work_forever(config: str, kind: str) -> None:
     killed. Prints ``ready`` once it has warmed up (at normal priority) and lowered itself."""
     from megarl.rl.bubble import AutogroupNice, lower_thread_priority
 
-    work = work_fn(config, kind)
+    work = probe.work_fn(config, kind)
     lower_thread_priority()
     AutogroupNice().__enter__()  # undone when the process is killed: the group is this process's own
     print("ready", flush=True)
@@ -479,7 +477,7 @@ def main() -> None:
     from megarl.utils.fs import atomic_write_text
 
     load0 = os.getloadavg()
-    cfg, inputs = _setup(args.config, args.from_hf)
+    cfg, inputs = probe.setup(args.config, args.from_hf)
     real = real_rollouts(cfg, inputs, args.real_steps) if args.from_hf else []
     real_spec = [*real_rollouts(cfg, inputs, args.real_steps, spec=True),
                  *real_rollouts(cfg, inputs, args.real_steps, spec=True, pregen=True)] if args.from_hf else []

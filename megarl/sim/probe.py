@@ -90,7 +90,7 @@ def work_fn(config: str, kind: str):
     if kind == "decode":
         eng = make_engine(cfg, inputs, 64)
         reqs = decode_requests(64, 64, 12, inputs.args.vocab_size)
-        fn = lambda i: eng.generate(reqs, step=i)  # noqa: E731
+        fn = lambda i: eng.generate(reqs, step=i)
     else:
         from megarl.parallel.dist import init_parallel
         from megarl.stream_train.trainer import Trainer
@@ -104,19 +104,6 @@ def work_fn(config: str, kind: str):
             trainer.accumulate(b, tiny_loss)
     fn(0)
     return fn
-
-
-def probe_key(config: str) -> str:
-    """What a probe's figure depends on besides the machine: the model's shape and the engine's
-    slots. Probes compare only under equal keys."""
-    from megarl.config import load_config
-
-    import dataclasses
-
-    cfg = load_config(config, ["sft.steps=0"])
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if not k.startswith("init_from")}
-    return json.dumps({"model": model, "slots": max(64, cfg.rollout.max_batch_size), "dtype": cfg.rollout.dtype},
-                      sort_keys=True)
 
 
 class SpeedProbe:
