@@ -31,7 +31,8 @@ times cost host work the grid does not have).
    released together (megarl/sim/probe.py), alternating 1-process and n-process probes:
    ``slowdown["2"]`` is the 2-process time over one alone (shared caches and memory bandwidth),
    ``slowdown["4"]`` the 4-process time over one alone and over time-sharing (4 / cores): 4
-   processes on 2 cores cost ~1.3x more than the split (context switches refill the caches).
+   processes on 2 cores cost more than the split (context switches refill the caches: probes
+   1.1-1.2x, real runs up to 1.5x).
    ``train_slowdown``: the same for forward/backward passes. megarl/sim/share.py interpolates
    between the counts. With ``--from-hf`` these probe figures only go into ``meta``
    (``probe_slowdown``): both tables are fitted on real runs instead (``--real-procs``, 2 and 4
@@ -229,7 +230,6 @@ def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
 
 
 def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
-
     from megarl.parallel.dist import init_parallel, teardown
     from megarl.rl.update import StreamUpdate, grpo_update
     from megarl.sim.hardware import LinearProfile
@@ -414,33 +414,40 @@ def idle_work_forever(config: str, kind: str) -> None:
         i += 1
 
 
+class _BesideIdleWork:
+    """``probe`` measured beside 2 idle-priority workers (``idle_work_forever``) doing ``work``,
+    started before each measurement and killed after it: the ``other`` of :func:`alternate`."""
+
+    def __init__(self, probe_: SpeedProbe, config: str, work: str):
+        self.probe, self.work = probe_, work
+        self.cmd = [sys.executable, __file__, "--config", config, "--idle-work", work]
+
+    def measure(self) -> float:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        idle = [subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                for _ in range(2)]
+        try:
+            for p in idle:
+                while (line := p.stdout.readline()) and line.strip() != "ready":
+                    pass
+                if not line:
+                    raise RuntimeError(f"calibrate_sim: the idle-priority {self.work} worker exited ({p.wait()})")
+            return self.probe.measure()
+        finally:
+            for p in idle:
+                p.kill()
+                p.wait()
+
+
 def interference(config: str, repeat: int, rounds: int) -> tuple[dict, dict]:
     """``bubble_interference`` by kind of bubble work: the decode loop of 2 processes (the
     generating replicas) timed beside 2 idle-priority workers (``idle_work_forever``) over
     timed alone, alternately (alone, beside, alone, ...: ``rounds`` of each, the median ratio).
     Returns the profile's figures (>= 1) and the raw ones for ``meta``."""
-    cmd = [sys.executable, __file__, "--config", config, "--idle-work"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     raw, ratios = {}, {}
     with SpeedProbe(config, 2, "decode", repeat) as p2:
         for kind, work in (("stream_train", "train"), ("pregen", "decode")):
-            alone, beside = [p2.measure()], []
-            for _ in range(rounds):
-                idle = [subprocess.Popen([*cmd, work], stdout=subprocess.PIPE, text=True, env=env,
-                                         start_new_session=True) for _ in range(2)]
-                try:
-                    for p in idle:
-                        while (line := p.stdout.readline()) and line.strip() != "ready":
-                            pass
-                        if not line:
-                            raise RuntimeError(f"calibrate_sim: the idle-priority {work} worker exited ({p.wait()})")
-                    beside.append(p2.measure())
-                finally:
-                    for p in idle:
-                        p.kill()
-                        p.wait()
-                alone.append(p2.measure())
-            ratios[kind] = float(np.median([x / (0.5 * (alone[i] + alone[i + 1])) for i, x in enumerate(beside)]))
+            ratios[kind], alone, beside = alternate(p2, _BesideIdleWork(p2, config, work), rounds)
             raw[kind] = {"alone_s": [round(x, 4) for x in alone], "beside_s": [round(x, 4) for x in beside]}
     # Drafter training is forward/backward passes too (of a smaller model): the training figure.
     figures = {k: round(max(1.0, ratios[w]), 4) for k, w in (("stream_train", "stream_train"),

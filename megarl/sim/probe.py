@@ -14,7 +14,6 @@ median of several such ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -115,7 +114,7 @@ class SpeedProbe:
             raise ValueError(f"speed probe: procs={procs} is invalid; valid range: >= 1")
         if kind not in KINDS:
             raise ValueError(f"speed probe: kind {kind!r} is invalid; valid: {list(KINDS)}")
-        self.procs, self.kind, self.reps = procs, kind, reps
+        self.reps = reps
         cmd = [sys.executable, "-m", "megarl.sim.probe", "--config", str(config), "--kind", kind, "--reps", str(reps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = os.pathsep.join(
@@ -190,13 +189,10 @@ def _worker(config: str, kind: str, reps: int) -> None:
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        times = []
         for _ in range(reps):
-            t0 = time.perf_counter()
             fn(i)
-            times.append(time.perf_counter() - t0)
             i += 1
-        print(json.dumps(times), flush=True)
+        print("done", flush=True)
 
 
 if __name__ == "__main__":
