@@ -50,6 +50,14 @@ times cost host work the grid does not have).
    their forwards and rows gives ``spec_request`` (per running request per iteration: drafting)
    and ``spec_row`` (per draft token: verifying and accepting it).
 
+6. **Speed reference** (megarl/sim/probe.py ``SpeedReference``: a fixed one-process decode probe
+   on the default model, ``--speed-ref`` timings at a time): timed before, between and after the
+   one-process parts (``meta.speed_ref``: how fast the machine was for the figures in seconds),
+   and right before and after each real run of 3., whose predictions are scaled by the ratio
+   (``LinearProfile.at_speed``) so that the contention factors do not also hold the machine's
+   drift. ``megarl bench schedule --speed-ref N`` records the same around each run and
+   benchmarks/validate_sim.py scales this profile to each run's speed.
+
 The machine's load average before and after goes into ``meta``: other work on the cores
 inflates every figure.
 """
@@ -71,7 +79,7 @@ sys.path.insert(0, str(ROOT))
 
 
 from megarl.sim import probe
-from megarl.sim.probe import SpeedProbe, alternate
+from megarl.sim.probe import SpeedProbe, SpeedReference, alternate, speed_ratio
 
 
 def time_decode(cfg, inputs, batch: int, length: int, prompt_len: int, repeat: int) -> float:
@@ -362,7 +370,8 @@ def contention(config: str, repeat: int, rounds: int) -> tuple[dict, dict, dict]
     return out["decode"], out["train"], {"contention_s": raw}
 
 
-def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed: int, profile) -> tuple[dict, dict, dict]:
+def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed: int, profile,
+                  ref: SpeedReference, speed: dict) -> tuple[dict, dict, dict]:
     """``slowdown`` and ``train_slowdown`` from real multi-process runs: for each process count,
     ``megarl train`` (torchrun, the plain synchronous baseline of ``megarl bench schedule``, another
     seed than the bench's: other prompts in another order) for ``steps`` steps, replayed through
@@ -370,7 +379,10 @@ def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed:
     slowdown is measured over predicted, summed over the steps after the first: the generate
     phase for ``slowdown``, the training phase for ``train_slowdown``. It holds what a clean
     probe does not: the replicas' exchange over gloo, gradient all-reduce, the reward pool, the
-    waiting processes' polling (the probes say 1.07-1.2x for 2 processes, real runs more)."""
+    waiting processes' polling (the probes say 1.07-1.2x for 2 processes, real runs more).
+    ``ref`` is timed right before and after each run and the one-process figures are scaled by
+    its ratio to ``speed`` (the reference while they were timed): the factors are then what the
+    processes cost each other, not also how much the machine drifted in between."""
     import dataclasses
     import tempfile
 
@@ -382,14 +394,19 @@ def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed:
     with tempfile.TemporaryDirectory(prefix="calibrate-sim-") as tmp:
         for n in procs:
             run = Path(tmp) / f"p{n}"
+            before = ref.sample()
             launch_train(n, config, [*COMMON, *VARIANTS["baseline"], f"rl_steps={steps}", f"seed={seed}",
                                      f"model.init_from_hf={from_hf}"], run, Path(tmp) / f"p{n}.log")
-            body = replay_run(run, n, flat)["steps"][1:]
+            run_speed = ref.record(before, ref.sample())
+            factor = speed_ratio(run_speed, speed)
+            body = replay_run(run, n, flat.at_speed(factor))["steps"][1:]
             tot = {k: float(sum(r[k] for r in body)) for k in ("meas_gen_s", "pred_gen_s", "meas_train_s", "pred_train_s")}
             slow[str(n)] = round(max(1.0, tot["meas_gen_s"] / tot["pred_gen_s"]), 4)
             train_slow[str(n)] = round(max(1.0, tot["meas_train_s"] / tot["pred_train_s"]), 4)
-            raw[str(n)] = {k: round(v, 4) for k, v in tot.items()}
-            print(f"real run on {n} processes ({len(body)} steps): generate {tot['meas_gen_s']:.2f}s measured / "
+            raw[str(n)] = {**{k: round(v, 4) for k, v in tot.items()}, "speed_factor": round(factor, 4),
+                           "speed_ref": run_speed}
+            print(f"real run on {n} processes ({len(body)} steps, machine {factor:.3f}x the one-process figures' "
+                  f"time): generate {tot['meas_gen_s']:.2f}s measured / "
                   f"{tot['pred_gen_s']:.2f}s one-process figures -> slowdown {slow[str(n)]}; training "
                   f"{tot['meas_train_s']:.2f}s / {tot['pred_train_s']:.2f}s -> train_slowdown {train_slow[str(n)]}",
                   flush=True)
@@ -404,7 +421,7 @@ def idle_work_forever(config: str, kind: str) -> None:
     killed. Prints ``ready`` once it has warmed up (at normal priority) and lowered itself."""
     from megarl.rl.bubble import AutogroupNice, lower_thread_priority
 
-    work = probe.work_fn(config, kind)
+    work, _ = probe.work_fn(config, kind)
     lower_thread_priority()
     AutogroupNice().__enter__()  # undone when the process is killed: the group is this process's own
     print("ready", flush=True)
@@ -475,6 +492,9 @@ def main() -> None:
                          "than the runs being validated)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds per contention and interference ratio (median kept; default 5)")
+    ap.add_argument("--speed-ref", type=int, default=5, metavar="N",
+                    help="timings of the speed reference (megarl/sim/probe.py SpeedReference) at each of its points "
+                         "(default 5)")
     ap.add_argument("--idle-work", choices=("train", "decode"), help=argparse.SUPPRESS)  # an interference worker
     args = ap.parse_args()
     if args.idle_work:
@@ -484,24 +504,37 @@ def main() -> None:
     from megarl.utils.fs import atomic_write_text
 
     load0 = os.getloadavg()
-    cfg, inputs = probe.setup(args.config, args.from_hf)
-    real = real_rollouts(cfg, inputs, args.real_steps) if args.from_hf else []
-    real_spec = [*real_rollouts(cfg, inputs, args.real_steps, spec=True),
-                 *real_rollouts(cfg, inputs, args.real_steps, spec=True, pregen=True)] if args.from_hf else []
-    pre = fit_prefill(cfg, inputs, args.repeat)
-    dec, dec_meta = fit_decode(cfg, inputs, args.repeat, pre, real)
-    spec_fit, spec_meta = fit_spec(cfg, real_spec, LinearProfile(**dec, prefill_a=pre[0], prefill_b=pre[1]))
-    tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
-    ovh = overhead_per_response(cfg, inputs)
-    slow, train_slow, cont_meta = contention(args.config, args.repeat, args.rounds)
-    cont_meta = {**cont_meta, "probe_slowdown": slow, "probe_train_slowdown": train_slow}
-    procs = [int(x) for x in args.real_procs.split(",") if x.strip()]
-    if args.from_hf and procs:
-        one = LinearProfile(**dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
-                            cores=float(os.cpu_count() or 2))
-        slow, train_slow, real_meta = fit_real_runs(args.config, args.from_hf, procs, args.real_run_steps,
-                                                    args.real_run_seed, one)
-        cont_meta.update(real_meta)
+    # The machine's speed while the one-process figures are timed (before, between and after their
+    # parts): bench runs record the same reference, and validate_sim scales this profile by the ratio.
+    ref = SpeedReference(args.speed_ref)
+    try:
+        marks = [ref.sample()]
+        cfg, inputs = probe.setup(args.config, args.from_hf)
+        real = real_rollouts(cfg, inputs, args.real_steps) if args.from_hf else []
+        real_spec = [*real_rollouts(cfg, inputs, args.real_steps, spec=True),
+                     *real_rollouts(cfg, inputs, args.real_steps, spec=True, pregen=True)] if args.from_hf else []
+        marks.append(ref.sample())
+        pre = fit_prefill(cfg, inputs, args.repeat)
+        dec, dec_meta = fit_decode(cfg, inputs, args.repeat, pre, real)
+        spec_fit, spec_meta = fit_spec(cfg, real_spec, LinearProfile(**dec, prefill_a=pre[0], prefill_b=pre[1]))
+        marks.append(ref.sample())
+        tr, tr_meta = fit_trainer(cfg, inputs, args.repeat, real)
+        ovh = overhead_per_response(cfg, inputs)
+        marks.append(ref.sample())
+        speed = ref.record(*marks)
+        print(f"speed reference over the one-process figures: median {speed['median_s']:.4f}s "
+              f"({min(min(m) for m in marks):.4f}-{max(max(m) for m in marks):.4f})", flush=True)
+        slow, train_slow, cont_meta = contention(args.config, args.repeat, args.rounds)
+        cont_meta = {**cont_meta, "probe_slowdown": slow, "probe_train_slowdown": train_slow}
+        procs = [int(x) for x in args.real_procs.split(",") if x.strip()]
+        if args.from_hf and procs:
+            one = LinearProfile(**dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr, overhead_per_response=ovh,
+                                cores=float(os.cpu_count() or 2))
+            slow, train_slow, real_meta = fit_real_runs(args.config, args.from_hf, procs, args.real_run_steps,
+                                                        args.real_run_seed, one, ref, speed)
+            cont_meta.update(real_meta)
+    finally:
+        ref.close()
     inter, inter_meta = interference(args.config, args.repeat, args.rounds)
     cores = float(os.cpu_count() or 2)
     prof = LinearProfile(name="cpu", **dec, **spec_fit, prefill_a=pre[0], prefill_b=pre[1], **tr,
@@ -512,7 +545,7 @@ def main() -> None:
                                "torch_threads": 1, "from_hf": args.from_hf, "real_steps": len(real), "date": time.strftime("%Y-%m-%d %H:%M"),
                                "loadavg_before": [round(x, 2) for x in load0],
                                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                               **cont_meta, **inter_meta, **spec_meta,
+                               "speed_ref": speed, **cont_meta, **inter_meta, **spec_meta,
                                **dec_meta, **tr_meta})
     atomic_write_text(args.out, prof.to_json() + "\n")
     print(json.dumps({k: v for k, v in json.loads(prof.to_json()).items() if k != "meta"}, indent=1))

@@ -9,6 +9,14 @@ time shifts every error alike. Calibrate right before and right after the runs
 ``--profile A.json --profile B.json``: predictions are the mean of the two, each one's step
 prediction is printed too (their spread is the drift over the runs).
 
+The drift also shows inside a chain of runs (the identical 4-process run: 2.63 s a step in one
+repeat, 3.80 s in another). Runs benched with ``--speed-ref N`` carry the machine's speed right
+before and after them (megarl/sim/probe.py ``SpeedReference``, a fixed one-process decode probe),
+and so do profiles from calibrate_sim (``meta.speed_ref``, while its one-process figures were
+timed): each run is then replayed with the profile's time figures scaled by run speed over
+calibration speed (``LinearProfile.at_speed``). The speed factor and the prediction without it
+(``raw``) are printed beside; ``--no-speed`` turns it off.
+
 For each work dir (every run in it: ``baseline``, ``megarl``, ``tail`` and, with ``bench schedule
 --ablations``, the megarl runs with one feature off; or a single ``megarl train`` run folder; the
 process count is read from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
@@ -35,34 +43,43 @@ def main() -> int:
                     help="simulator profile (default cpu); give it twice, calibrated just before and just after "
                          "the runs, and predictions are the mean of the two (the spread is printed: the machine's "
                          "drift over the runs)")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="do not scale the profile by the runs' speed reference (see above)")
     ap.add_argument("--json", default=None, help="also write every step's figures here")
     args = ap.parse_args()
     from megarl.sim.hardware import load_profile
+    from megarl.sim.probe import speed_ratio
     from megarl.sim.replay import replay_run
     from megarl.utils.fs import atomic_write_text
 
     profiles = [load_profile(p) for p in (args.profile or ["cpu"])]
     rows, worst = [], 0.0
     print(f"{'runs':<28} {'variant':<12} {'procs':>5} {'step meas':>9} {'step pred':>9} {'err':>7} "
-          f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17}"
+          f"{'rollout meas':>12} {'rollout pred':>12} {'err':>7} {'bubble meas/pred':>17} {'speed':>6} {'raw err':>7}"
           + (f" {'step pred per profile':>22}" if len(profiles) > 1 else ""))
     for d in map(Path, args.work_dirs):
-        nproc = args.nproc
+        bench_json = d.with_suffix(".json") if d.with_suffix(".json").is_file() else d.parent / f"{d.name}.json"
+        bench = json.loads(bench_json.read_text()) if bench_json.is_file() else {}
+        nproc = args.nproc or bench.get("nproc")
         if nproc is None:
-            bench = d.with_suffix(".json") if d.with_suffix(".json").is_file() else d.parent / f"{d.name}.json"
-            if not bench.is_file():
-                raise SystemExit(f"validate_sim: no {bench}: pass --nproc")
-            nproc = json.loads(bench.read_text())["nproc"]
+            raise SystemExit(f"validate_sim: no {bench_json}: pass --nproc")
         for variant, run in _runs(d):
-            each = [replay_run(run, nproc, p) for p in profiles]
+            run_speed = None if args.no_speed else bench.get(variant, {}).get("speed_ref")
+            factors = [speed_ratio(run_speed, p.meta["speed_ref"])
+                       if run_speed and "speed_ref" in getattr(p, "meta", {}) else 1.0 for p in profiles]
+            each = [replay_run(run, nproc, p.at_speed(f) if f != 1.0 else p) for p, f in zip(profiles, factors)]
+            raw = [replay_run(run, nproc, p)["summary"] for p, f in zip(profiles, factors) if f != 1.0]
             per = [e["summary"] for e in each]
             s = _mean_summary(per)
-            r = {**each[0], "summary": s, **({"per_profile": per} if len(per) > 1 else {})}
+            raw_err = _mean_summary(raw)["step_rel_err"] if raw else s["step_rel_err"]
+            r = {**each[0], "summary": s, "speed_factors": factors, "raw_step_rel_err": raw_err,
+                 **({"per_profile": per} if len(per) > 1 else {})}
             worst = max(worst, abs(s["step_rel_err"]))
             rows.append({"work_dir": str(d), "variant": variant, "nproc": nproc, **r})
             print(f"{str(d)[-28:]:<28} {variant[:12]:<12} {nproc:>5} {s['meas_step_s']:>9.3f} {s['pred_step_s']:>9.3f} "
                   f"{s['step_rel_err']:>+7.1%} {s['meas_rollout_s']:>12.3f} {s['pred_rollout_s']:>12.3f} "
-                  f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f}"
+                  f"{s['rollout_rel_err']:>+7.1%} {s['meas_bubble_frac']:>8.3f}/{s['pred_bubble_frac']:.3f} "
+                  f"{sum(factors) / len(factors):>6.3f} {raw_err:>+7.1%}"
                   + (" " + " / ".join(f"{x['pred_step_s']:.3f}" for x in per) if len(per) > 1 else ""))
     print(f"worst |step error|: {worst:.1%} (target 20%)")
     if args.json:

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ablations", action="store_true", help="also run megarl with each feature off in turn "
                                                               "(speculation, placement, stream training, bubble "
                                                               "drafts): every feature measured on and off")
+    b.add_argument("--speed-ref", type=int, default=0, metavar="N",
+                   help="time a fixed one-process decode probe N times right before and N times right after each "
+                        "run (the machine's speed, for benchmarks/validate_sim.py; ~1 s each; default 0: not timed)")
 
     b = bench.add_parser("drafter", help="the learned drafter trained in bubbles: acceptance and forward reduction on "
                                          "unseen prompts, exactness, step time with bubble-time training on vs off")
@@ -169,7 +172,7 @@ def _bench(args, cfg) -> int:
 
         report = bench_schedule(args.config, cfg, args.nproc, args.json, args.steps, args.overrides,
                                 from_hf=args.from_hf, work_dir=args.work_dir, tail=args.tail,
-                                ablations=args.ablations)
+                                ablations=args.ablations, speed_ref=args.speed_ref)
         for name in report:
             if isinstance(report[name], dict) and "steps" in report[name]:
                 report[name] = {k: v for k, v in report[name].items() if k != "steps"}
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--nproc={args.nproc} (valid: >= 2) / --eval-prompts={args.eval_prompts} (valid: >= 1)")
         if args.command == "bench" and args.bench == "schedule" and args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} is invalid; valid range: >= 1")
+        if args.command == "bench" and args.bench == "schedule" and args.speed_ref < 0:
+            raise ValueError(f"--speed-ref={args.speed_ref} is invalid; valid range: >= 0 (0: none)")
         from megarl.setup_run import prepare_inputs
         from megarl.train import check_run_dir, train
 

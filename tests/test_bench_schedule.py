@@ -15,7 +15,7 @@ OVERRIDES = ["sft.steps=0", "rollout.prompts_per_step=4", "rollout.group_size=3"
 def test_bench_schedule_json_and_exactness(tmp_path, capsys):
     out = tmp_path / "sched.json"
     args = ["bench", "schedule", "--config", "configs/smoke.yaml", "--nproc", "2", "--steps", "3",
-            "--json", str(out), "--work-dir", str(tmp_path / "work")]
+            "--json", str(out), "--work-dir", str(tmp_path / "work"), "--speed-ref", "2"]
     for o in OVERRIDES:
         args += ["--set", o]
     assert main(args) == 0
@@ -32,11 +32,18 @@ def test_bench_schedule_json_and_exactness(tmp_path, capsys):
         assert (tmp_path / "work" / name / "rollouts.jsonl").exists()
         assert (tmp_path / "work" / name / "timeline.jsonl").exists()
     assert "rollout_speedup" in capsys.readouterr().out
+    # --speed-ref 2: the machine's speed timed twice right before and twice right after each run, the same
+    # work for both (validate_sim divides by a calibration's record of it).
+    refs = [rep[name]["speed_ref"] for name in ("baseline", "megarl")]
+    assert [[len(s) for s in r["samples_s"]] for r in refs] == [[2, 2], [2, 2]]
+    assert refs[0]["what"] == refs[1]["what"] and all(r["median_s"] > 0 for r in refs)
 
 
 def test_bench_schedule_rejects_bad_nproc(capsys):
     assert main(["bench", "schedule", "--nproc", "0", "--json", "/tmp/never.json"]) == 2
     assert "--nproc=0 is invalid" in capsys.readouterr().err
+    assert main(["bench", "schedule", "--nproc", "2", "--speed-ref", "-1", "--json", "/tmp/never.json"]) == 2
+    assert "--speed-ref=-1 is invalid" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name,off", [("no_spec", {"spec", "bubble"}), ("no_placement", {"placement"}),

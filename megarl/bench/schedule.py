@@ -29,9 +29,15 @@ speculation, length-aware placement, stream training, bubble drafts), so that ev
 measured on and off (the simulator's validation, benchmarks/validate_sim.py, replays them all);
 each has ``rollout_time_s``/``step_time_s`` and ``step_speedup`` over the baseline, and must sample
 the baseline's tokens (``samples_identical``: none of them changes what is sampled).
+
+With ``--speed-ref N``, each run's ``speed_ref``: N timings of a fixed one-process decode probe
+right before and N right after it (megarl/sim/probe.py ``SpeedReference``): how fast the machine
+was, which benchmarks/validate_sim.py uses to follow the machine's drift between calibration
+and runs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -44,6 +50,7 @@ import numpy as np
 from safetensors.torch import load_file
 
 from megarl.config import RunConfig
+from megarl.sim.probe import SpeedReference
 from megarl.utils.fs import atomic_write_text
 
 # Every variant: the same steps from the same weights, no checkpoints, samples dumped.
@@ -143,29 +150,36 @@ def _weights_diff(a: Path, b: Path) -> float:
 
 def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str, steps: int,
                    overrides: list[str], from_hf: str | None = None, work_dir: str | None = None,
-                   weight_tol: float = 1e-5, tail: bool = False, ablations: bool = False) -> dict:
+                   weight_tol: float = 1e-5, tail: bool = False, ablations: bool = False, speed_ref: int = 0) -> dict:
     if nproc < 1:
         raise ValueError(f"--nproc={nproc} is invalid; valid range: >= 1")
+    if speed_ref < 0:
+        raise ValueError(f"--speed-ref={speed_ref} is invalid; valid range: >= 0 (0: none)")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-bench-schedule-"))
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"config": config, "nproc": nproc, "steps": steps, "work_dir": str(work),
                     "cpu_count": os.cpu_count()}
     base = warm_start_overrides("bench schedule", config, cfg, overrides, work, from_hf, report, steps, COMMON)
-    for name, extra in VARIANTS.items():
-        print(f"bench schedule: {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
-        wall = launch_train(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
-        report[name] = {**_summary(work / name), "wall_s": wall}
+    runs = [(name, f"{name} on {nproc} processes", extra) for name, extra in VARIANTS.items()]
     if tail:
-        print(f"bench schedule: megarl + tail batching on {nproc} processes, {steps} steps -> {work / 'tail'}",
-              flush=True)
-        wall = launch_train(nproc, config, [*base, *VARIANTS["megarl"], *TAIL], work / "tail", work / "tail.log")
-        report["tail"] = {**_summary(work / "tail"), "wall_s": wall}
+        runs.append(("tail", f"megarl + tail batching on {nproc} processes", [*VARIANTS["megarl"], *TAIL]))
+    runs += [(name, f"megarl with {name} on {nproc} processes", [*VARIANTS["megarl"], *extra])
+             for name, extra in (ABLATIONS.items() if ablations else ())]
+    with contextlib.ExitStack() as stack:
+        # The machine's speed right before and after each run (megarl/sim/probe.py SpeedReference):
+        # benchmarks/validate_sim.py scales the simulator's profile by it.
+        ref = stack.enter_context(SpeedReference(speed_ref)) if speed_ref else None
+        for name, what, extra in runs:
+            print(f"bench schedule: {what}, {steps} steps -> {work / name}", flush=True)
+            before = ref.sample() if ref else None
+            wall = launch_train(nproc, config, [*base, *extra], work / name, work / f"{name}.log")
+            report[name] = {**_summary(work / name), "wall_s": wall}
+            if ref:
+                report[name]["speed_ref"] = ref.record(before, ref.sample())
+    if tail:
         report["tail_rollout_speedup"] = report["baseline"]["rollout_time_s"] / report["tail"]["rollout_time_s"]
         report["tail_step_speedup"] = report["baseline"]["step_time_s"] / report["tail"]["step_time_s"]
-    for name, extra in (ABLATIONS.items() if ablations else ()):
-        print(f"bench schedule: megarl with {name} on {nproc} processes, {steps} steps -> {work / name}", flush=True)
-        wall = launch_train(nproc, config, [*base, *VARIANTS["megarl"], *extra], work / name, work / f"{name}.log")
-        report[name] = {**_summary(work / name), "wall_s": wall}
+    for name in (ABLATIONS if ablations else ()):
         report[name]["step_speedup"] = report["baseline"]["step_time_s"] / report[name]["step_time_s"]
         report[name]["samples_identical"] = _same_samples(work / "baseline", work / name)[0]
     same, first_diff = _same_samples(work / "baseline", work / "megarl")

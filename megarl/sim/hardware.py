@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +253,20 @@ class LinearProfile(Profile):
         """Slowdown of the generating processes while bubble work of ``kind`` runs beside them."""
         bi = self.bubble_interference
         return float(bi) if not isinstance(bi, dict) else float(bi.get(kind, max(bi.values(), default=1.0)))
+
+    TIME_FIELDS = ("decode_a", "decode_b", "spec_request", "spec_row", "decode_c", "prefill_a", "prefill_b",
+                   "fwd_a", "fwd_b", "fwd_c", "fwdbwd_a", "fwdbwd_b", "fwdbwd_c", "finish_a", "finish_b", "sync",
+                   "overhead_per_response")
+    """The figures in seconds (the rest are counts and ratios)."""
+
+    def at_speed(self, factor: float) -> LinearProfile:
+        """This profile on the machine ``factor`` times slower than when it was calibrated (every
+        time figure times ``factor``; contention and interference are ratios and stay): how
+        benchmarks/validate_sim.py follows this machine's drift (megarl/sim/probe.py
+        ``SpeedReference``)."""
+        if not factor > 0:
+            raise ValueError(f"profile speed factor {factor} is invalid; valid range: > 0")
+        return replace(self, **{f: getattr(self, f) * factor for f in self.TIME_FIELDS})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

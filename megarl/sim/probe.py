@@ -24,8 +24,9 @@ import numpy as np
 KINDS = ("decode", "train")
 
 
-def setup(config: str, from_hf: str | None = None):
-    """(RunConfig, RunInputs) of ``config`` with one torch thread and no SFT warm-up."""
+def setup(config: str | None, from_hf: str | None = None):
+    """(RunConfig, RunInputs) of ``config`` (None: the built-in defaults) with one torch thread
+    and no SFT warm-up."""
     import torch
 
     torch.set_num_threads(1)
@@ -80,12 +81,17 @@ def tiny_loss(logprobs, m):
     return (-(logprobs * m["loss_mask"]).sum() * 1e-6, {})
 
 
-def work_fn(config: str, kind: str):
-    """The probe's fixed piece of work of ``kind`` on ``config``'s model (random weights: the
-    cost does not depend on them), warmed up once. Returns ``fn(i)`` doing it once."""
+def work_fn(config: str | None, kind: str):
+    """The probe's fixed piece of work of ``kind`` on ``config``'s model (None: the built-in
+    defaults; random weights: the cost does not depend on them), warmed up once. Returns
+    ``(fn, what)``: ``fn(i)`` does it once, ``what`` names the work and the model's shape (two
+    timings compare only if their ``what`` is the same)."""
     if kind not in KINDS:
         raise ValueError(f"speed probe: kind {kind!r} is invalid; valid: {list(KINDS)}")
     cfg, inputs = setup(config)
+    a = inputs.args
+    what = (f"{kind} probe: {'64 requests x 64 tokens' if kind == 'decode' else '32 rows x 128 tokens'}, "
+            f"{a.num_hidden_layers} layers x {a.hidden_size} hidden, vocab {a.vocab_size}")
     if kind == "decode":
         eng = make_engine(cfg, inputs, 64)
         reqs = decode_requests(64, 64, 12, inputs.args.vocab_size)
@@ -102,20 +108,21 @@ def work_fn(config: str, kind: str):
                 trainer.begin_step()
             trainer.accumulate(b, tiny_loss)
     fn(0)
-    return fn
+    return fn, what
 
 
 class SpeedProbe:
     """``procs`` warmed-up workers doing ``kind`` work on ``config``'s model, released together by
     :meth:`measure` (module docstring). A context manager: the workers exit on close."""
 
-    def __init__(self, config: str, procs: int, kind: str = "decode", reps: int = 3):
+    def __init__(self, config: str | None, procs: int, kind: str = "decode", reps: int = 3):
         if procs < 1:
             raise ValueError(f"speed probe: procs={procs} is invalid; valid range: >= 1")
         if kind not in KINDS:
             raise ValueError(f"speed probe: kind {kind!r} is invalid; valid: {list(KINDS)}")
         self.reps = reps
-        cmd = [sys.executable, "-m", "megarl.sim.probe", "--config", str(config), "--kind", kind, "--reps", str(reps)]
+        cmd = [sys.executable, "-m", "megarl.sim.probe", "--kind", kind, "--reps", str(reps)]
+        cmd += ["--config", str(config)] if config is not None else []
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -123,8 +130,8 @@ class SpeedProbe:
         self._ps = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env, start_new_session=True) for _ in range(procs)]
         try:
-            for p in self._ps:
-                self._read(p, "ready")
+            # Each worker says "ready <what>" (work_fn): what the figures are timings of.
+            self.what = [self._read(p, "ready").partition(" ")[2] for p in self._ps][0]
         except BaseException:
             self.close()
             raise
@@ -182,9 +189,65 @@ def alternate(base: SpeedProbe, other: SpeedProbe, rounds: int) -> tuple[float, 
     return float(np.median(ratios)), b, o
 
 
-def _worker(config: str, kind: str, reps: int) -> None:
-    fn = work_fn(config, kind)
-    print("ready", flush=True)
+class SpeedReference:
+    """How fast this machine is right now: the 1-process decode probe on the built-in default
+    model (the same work whatever the run's config), measured ``samples`` times in a row.
+
+    The machine's speed drifts: the identical 4-process run took 2.63 s a step in one repeat
+    and 3.80 s in another, 45% apart, and a profile calibrated at one time predicts a run at
+    another only as well as the two times' speeds agree. So ``megarl bench schedule`` records
+    this reference right before and right after each run, ``benchmarks/calibrate_sim.py``
+    around its one-process measurements, and ``benchmarks/validate_sim.py`` replays each run
+    with the profile's time figures scaled by run speed over calibration speed
+    (:func:`speed_ratio`). Several samples each time: consecutive ones vary by up to ~20%.
+    A context manager; the probe's worker waits, idle, between records."""
+
+    REPS = 2
+    """Pieces of work per sample (~0.4 s each here)."""
+
+    def __init__(self, samples: int = 5):
+        if samples < 1:
+            raise ValueError(f"speed reference: samples={samples} is invalid; valid range: >= 1")
+        self.samples = samples
+        self._probe = SpeedProbe(None, 1, "decode", self.REPS)
+
+    def sample(self) -> list[float]:
+        """``samples`` timings now, seconds per piece of work."""
+        return [round(self._probe.measure(), 5) for _ in range(self.samples)]
+
+    def record(self, *samples: list[float]) -> dict:
+        """What a run folder or a profile keeps: the work timed, the samples, their median."""
+        flat = [x for s in samples for x in s]
+        return {"what": self._probe.what, "samples_s": [list(s) for s in samples],
+                "median_s": round(float(np.median(flat)), 5)}
+
+    def close(self) -> None:
+        self._probe.close()
+
+    def __enter__(self) -> SpeedReference:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def speed_ratio(run: dict, calibration: dict) -> float:
+    """How much slower the machine was for ``run`` than for ``calibration`` (two
+    :meth:`SpeedReference.record` results): the ratio of their medians. Raises if they timed
+    different work (another reference model or probe)."""
+    for name, ref in (("run", run), ("calibration", calibration)):
+        if not isinstance(ref, dict) or not {"what", "median_s"} <= set(ref) or not ref["median_s"] > 0:
+            raise ValueError(f"speed reference of the {name} is invalid: {ref!r}; expected a SpeedReference.record() "
+                             f"dict with 'what' and a positive 'median_s'")
+    if run["what"] != calibration["what"]:
+        raise ValueError(f"speed references timed different work: run {run['what']!r}, calibration "
+                         f"{calibration['what']!r}; recalibrate with this version")
+    return float(run["median_s"]) / float(calibration["median_s"])
+
+
+def _worker(config: str | None, kind: str, reps: int) -> None:
+    fn, what = work_fn(config, kind)
+    print(f"ready {what}", flush=True)
     i = 1
     for line in sys.stdin:
         if line.strip() != "go":
@@ -197,7 +260,7 @@ def _worker(config: str, kind: str, reps: int) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="a speed-probe worker (megarl/sim/probe.py SpeedProbe starts them)")
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default=None, help="run config (default: the built-in defaults)")
     ap.add_argument("--kind", choices=KINDS, default="decode")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()

@@ -357,3 +357,34 @@ def test_replay_speeds_up_each_response_by_its_own_acceptance(tmp_path):
         for smp in line["samples"]:
             del smp["forwards"]
     assert replay() == pytest.approx(math.ceil(100 / (220 / 112)))  # the mean: too fast
+
+
+def test_a_profile_at_another_speed_scales_every_time_and_no_ratio():
+    # validate_sim follows the machine's drift with at_speed: a step on a 1.4x slower machine, with every
+    # feature on and 4 processes sharing 2 cores (contention and interference are ratios: they stay), takes
+    # 1.4x the time. Every field in seconds must be in TIME_FIELDS, or it would not follow.
+    from dataclasses import fields
+
+    seconds = {f.name for f in fields(LinearProfile) if f.type in ("float", float)}
+    assert seconds == set(LinearProfile.TIME_FIELDS)
+    prof = LinearProfile(decode_c=1e-6, spec_request=1e-4, spec_row=2e-5, fwd_c=1e-8, finish_b=1e-3,
+                         overhead_per_response=1e-4, slowdown={"1": 1.0, "2": 1.1, "4": 1.4},
+                         train_slowdown={"1": 1.0, "2": 1.3}, bubble_interference={"stream_train": 1.2, "pregen": 1.05})
+    slow = prof.at_speed(1.4)
+    assert slow.slowdown == prof.slowdown and slow.train_slowdown == prof.train_slowdown
+    assert slow.bubble_interference == prof.bubble_interference and slow.cores == prof.cores
+    assert all(getattr(slow, k) == pytest.approx(1.4 * getattr(prof, k)) for k in LinearProfile.TIME_FIELDS)
+    rng = np.random.default_rng(3)
+    lens = rng.integers(5, 60, (8, 4))
+    sl = StepLengths(lens, np.full(8, 12), lens.mean(axis=1))
+    feats = frozenset({"placement", "stream", "bubble", "spec"})
+
+    def step(p):
+        return simulate_step(sl, feats - {"spec"}, p, StepKnobs(group=4, max_batch=16), SpecModel(), 4, CarryOver(),
+                             np.random.default_rng(0), fixed_tau=1.5, fixed_draft=0.8)[0]
+
+    a, b = step(prof), step(slow)
+    assert b.step_time_s == pytest.approx(1.4 * a.step_time_s) and b.rollout_s == pytest.approx(1.4 * a.rollout_s)
+    assert b.bubble_frac == pytest.approx(a.bubble_frac)
+    with pytest.raises(ValueError, match="valid range: > 0"):
+        prof.at_speed(0.0)
