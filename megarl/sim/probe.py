@@ -203,13 +203,22 @@ class SpeedReference:
     A context manager; the probe's worker waits, idle, between records."""
 
     REPS = 2
-    """Pieces of work per sample (~0.4 s each here)."""
+    """Pieces of work per sample (0.24-0.3 s each here)."""
+    WARMUP = 2
+    """Samples timed and dropped at the start: the first one after the worker starts came out
+    10-25% slower than the next ones in every record of the first validation repeats."""
 
     def __init__(self, samples: int = 5):
         if samples < 1:
             raise ValueError(f"speed reference: samples={samples} is invalid; valid range: >= 1")
         self.samples = samples
         self._probe = SpeedProbe(None, 1, "decode", self.REPS)
+        try:
+            for _ in range(self.WARMUP):
+                self._probe.measure()
+        except BaseException:
+            self._probe.close()
+            raise
 
     def sample(self) -> list[float]:
         """``samples`` timings now, seconds per piece of work."""
