@@ -1,6 +1,7 @@
 """Validate the simulator against measured CPU multi-process runs (issue 8 item 4).
 
-    .venv/bin/python -m megarl.cli bench schedule --config configs/tiny.yaml --nproc N --tail --work-dir D --json D.json
+    .venv/bin/python -m megarl.cli bench schedule --config configs/tiny.yaml --nproc N --tail --ablations --speed-ref 5
+        --work-dir D --json D.json
     .venv/bin/python benchmarks/validate_sim.py D [D2 ...] [--profile cpu] [--json OUT]
 
 This machine's speed drifts by up to ~30% over tens of minutes, so a profile calibrated at another
