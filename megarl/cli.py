@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "drafts): every feature measured on and off")
     b.add_argument("--speed-ref", type=int, default=0, metavar="N",
                    help="time a fixed one-process decode probe N times right before and N times right after each "
-                        "run (the machine's speed, for benchmarks/validate_sim.py; ~1 s each; default 0: not timed)")
+                        "run (the machine's speed, for benchmarks/validate_sim.py; ~0.5 s each; default 0: not timed)")
 
     b = bench.add_parser("drafter", help="the learned drafter trained in bubbles: acceptance and forward reduction on "
                                          "unseen prompts, exactness, step time with bubble-time training on vs off")

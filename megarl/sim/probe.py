@@ -1,4 +1,5 @@
-"""How fast a fixed piece of work runs in n processes at once (calibrate_sim's contention figures).
+"""How fast a fixed piece of work runs in n processes at once (calibrate_sim's contention
+figures), and how fast the machine is right now (:class:`SpeedReference`).
 
 :class:`SpeedProbe` keeps ``procs`` worker processes (each in its own session, one torch thread,
 as torchrun starts megarl's workers) warmed up and blocked on a pipe; :meth:`measure` releases
