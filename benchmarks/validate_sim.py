@@ -69,10 +69,10 @@ def main() -> int:
             factors = [speed_ratio(run_speed, p.meta["speed_ref"])
                        if run_speed and "speed_ref" in getattr(p, "meta", {}) else 1.0 for p in profiles]
             each = [replay_run(run, nproc, p.at_speed(f) if f != 1.0 else p) for p, f in zip(profiles, factors)]
-            raw = [replay_run(run, nproc, p)["summary"] for p, f in zip(profiles, factors) if f != 1.0]
             per = [e["summary"] for e in each]
+            raw = [replay_run(run, nproc, p)["summary"] if f != 1.0 else x for p, f, x in zip(profiles, factors, per)]
             s = _mean_summary(per)
-            raw_err = _mean_summary(raw)["step_rel_err"] if raw else s["step_rel_err"]
+            raw_err = _mean_summary(raw)["step_rel_err"]
             r = {**each[0], "summary": s, "speed_factors": factors, "raw_step_rel_err": raw_err,
                  **({"per_profile": per} if len(per) > 1 else {})}
             worst = max(worst, abs(s["step_rel_err"]))

@@ -165,10 +165,9 @@ def bench_schedule(config: str | None, cfg: RunConfig, nproc: int, json_out: str
         runs.append(("tail", f"megarl + tail batching on {nproc} processes", [*VARIANTS["megarl"], *TAIL]))
     runs += [(name, f"megarl with {name} on {nproc} processes", [*VARIANTS["megarl"], *extra])
              for name, extra in (ABLATIONS.items() if ablations else ())]
-    with contextlib.ExitStack() as stack:
-        # The machine's speed right before and after each run (megarl/sim/probe.py SpeedReference):
-        # benchmarks/validate_sim.py scales the simulator's profile by it.
-        ref = stack.enter_context(SpeedReference(speed_ref)) if speed_ref else None
+    # The machine's speed right before and after each run (megarl/sim/probe.py SpeedReference):
+    # benchmarks/validate_sim.py scales the simulator's profile by it.
+    with SpeedReference(speed_ref) if speed_ref else contextlib.nullcontext() as ref:
         for name, what, extra in runs:
             print(f"bench schedule: {what}, {steps} steps -> {work / name}", flush=True)
             before = ref.sample() if ref else None
