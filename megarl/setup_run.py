@@ -19,6 +19,8 @@ from megarl.models.hf_io import read_hf_config, safetensors_files
 from megarl.models.mcore_sharding import check_parallel
 from megarl.parallel.layout import Layout
 from megarl.rl.data import exact_answer_reward, load_jsonl_prompts
+from megarl.rl.humaneval import humaneval_reward, load_humaneval
+from megarl.rl.reasoning_gym_data import load_reasoning_gym
 from megarl.rl.rewards import python_tests_problem_reward
 from megarl.rl.task import AdditionTask, Problem
 from megarl.rl.tokenizer import CharTokenizer, HFTokenizer
@@ -29,6 +31,12 @@ class RunInputs:
     tokenizer: CharTokenizer | HFTokenizer
     problems: list[Problem]
     """The prompt set, indexed by uid."""
+    prompt_ids: list[list[int]]
+    """Each problem's prompt as the policy sees it (``tokenizer.encode_prompt``: chat template and
+    special tokens applied), indexed by uid; encoded once here, so a bad prompt fails at start."""
+    max_seq_len: int
+    """The rollout engine's context: the longest prompt plus ``rollout.max_new_tokens`` (never
+    more than the model's ``max_position_embeddings``): its KV cache holds no more than that."""
     reward_fn: Callable[[Problem, str], float]
     args: ModelArgs
     init_from_hf: str | None
@@ -95,17 +103,40 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     return layout
 
 
-def prepare_inputs(cfg: RunConfig) -> RunInputs:
-    task = None
-    if cfg.data.source == "addition":
-        tokenizer = CharTokenizer()
+def _data(cfg: RunConfig):
+    """Tokenizer, problems, reward and (synthetic task only) the task, from the ``data`` section."""
+    d = cfg.data
+    if d.source == "addition":
         task = AdditionTask(cfg.task)
-        problems = [task.problem(uid) for uid in range(len(task))]
-        reward_fn = task.reward
+        return CharTokenizer(), [task.problem(uid) for uid in range(len(task))], task.reward, task
+    tok_dir = d.tokenizer_path or cfg.model.init_from_hf or cfg.model.init_from_mcore
+    # Stop tokens come from the model's generation_config.json (beside the weights).
+    tokenizer = HFTokenizer(tok_dir, chat_template=d.chat_template, system_prompt=d.system_prompt,
+                            generation_config=cfg.model.init_from_hf or cfg.model.init_from_mcore or tok_dir)
+    if d.source == "jsonl":
+        problems = load_jsonl_prompts(d.jsonl_path, tokenizer)
+        reward_fn = exact_answer_reward if d.reward == "exact_answer" else python_tests_problem_reward
+    elif d.source == "reasoning_gym":
+        problems, reward_fn = load_reasoning_gym(d.reasoning_gym)
     else:
-        tokenizer = HFTokenizer(cfg.data.tokenizer_path or cfg.model.init_from_hf or cfg.model.init_from_mcore)
-        problems = load_jsonl_prompts(cfg.data.jsonl_path, tokenizer)
-        reward_fn = exact_answer_reward if cfg.data.reward == "exact_answer" else python_tests_problem_reward
+        problems, reward_fn = load_humaneval(d.humaneval_limit), humaneval_reward
+    return tokenizer, problems, reward_fn, None
+
+
+def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_len: int) -> list[list[int]]:
+    """Every prompt's ids, checked to leave room for ``max_new_tokens`` in the model's context."""
+    ids = [tokenizer.encode_prompt(p.prompt) for p in problems]
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) + max_new_tokens > max_len:
+        raise ValueError(f"prompt uid {problems[longest].uid} is {len(ids[longest])} tokens; with "
+                         f"rollout.max_new_tokens={max_new_tokens} it needs {len(ids[longest]) + max_new_tokens} "
+                         f"positions but the model has {max_len} (max_position_embeddings); valid: shorter prompts "
+                         f"or rollout.max_new_tokens <= {max(0, max_len - len(ids[longest]))}")
+    return ids
+
+
+def prepare_inputs(cfg: RunConfig) -> RunInputs:
+    tokenizer, problems, reward_fn, task = _data(cfg)
 
     if cfg.model.init_from_hf:
         hf_cfg = read_hf_config(cfg.model.init_from_hf)
@@ -134,9 +165,12 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     if args.eos_token_id is None:
         args.eos_token_id = tokenizer.eos_id
     if task is None and cfg.sft.steps > 0:
-        raise ValueError("sft.steps must be 0 with data.source=jsonl: SFT trains on the synthetic task's "
-                         "worked solutions (data.source=addition)")
-    return RunInputs(tokenizer=tokenizer, problems=problems, reward_fn=reward_fn, args=args,
+        raise ValueError(f"sft.steps must be 0 with data.source={cfg.data.source}: SFT trains on the synthetic "
+                         f"task's worked solutions (data.source=addition)")
+    prompt_ids = encode_prompts(problems, tokenizer, cfg.rollout.max_new_tokens, args.max_position_embeddings)
+    max_seq_len = max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens
+    return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,
+                     reward_fn=reward_fn, args=args,
                      init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
                      layout=check_layout(cfg, args))
 

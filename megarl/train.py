@@ -262,7 +262,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
 def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine:
     """This process's rollout engine; with rollout TP its rollout group runs the model tensor-parallel."""
     policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
-    return Engine(policy, cfg.rollout.engine_config(inputs.args.max_position_embeddings), seed=cfg.seed,
+    return Engine(policy, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed,
                   spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
 
 

@@ -57,8 +57,8 @@ def _unseen_requests(cfg: RunConfig, inputs, n_prompts: int) -> list[Request]:
         raise ValueError("bench drafter needs data.source=addition (it draws prompts never seen before from the task)")
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                            stop_token_ids=(inputs.tokenizer.eos_id,))
-    return [Request(u, i, inputs.tokenizer.encode(inputs.task.problem(u).prompt), params)
+                            stop_token_ids=inputs.tokenizer.stop_ids)
+    return [Request(u, i, inputs.tokenizer.encode_prompt(inputs.task.problem(u).prompt), params)
             for u in range(UNSEEN_UID0, UNSEEN_UID0 + n_prompts) for i in range(r.group_size)]
 
 

@@ -77,7 +77,7 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
             run_sft(trainer, inputs, cfg)
             trainer.reset_optimizer()
         trainer.set_lr(cfg.trainer.lr)
-        engine = Engine(CausalLM(inputs.args), cfg.rollout.engine_config(inputs.args.max_position_embeddings),
+        engine = Engine(CausalLM(inputs.args), cfg.rollout.engine_config(inputs.max_seq_len),
                         seed=cfg.seed)
         weight_sync = WeightSync(trainer, engine)  # planned once, run after every update
         weight_sync()

@@ -427,13 +427,25 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--ckpt", required=True, help="folder written by hf-to-mcore")
     b.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
     b.add_argument("--max-shard-mb", type=float, default=5000, help="largest HF weight file, MiB")
-    for q in (a, b):
+    c = sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp) -> HF folder: dequantised weights, tokenizer.json, "
+                                          "tokenizer_config.json with the chat template (Llama/Qwen2/Qwen3, BPE)")
+    c.add_argument("--gguf", required=True, help="the .gguf file")
+    c.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights' dtype (default float32: the dequantised values exactly)")
+    for q in (a, b, c):
         q.add_argument("--force", action="store_true", help="replace a non-empty --out")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def run_convert(args: argparse.Namespace) -> ConvertReport:
+def run_convert(args: argparse.Namespace) -> ConvertReport | None:
+    if args.direction == "gguf-to-hf":
+        from megarl.models.gguf import gguf_to_hf
+
+        _check_out(Path(args.out), args.force, Path(args.gguf))
+        print(gguf_to_hf(args.gguf, args.out, dtype=args.dtype, progress=not args.no_progress))
+        return None
     if args.direction == "hf-to-mcore":
         report = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.force, not args.no_progress,
                              vpp=args.vpp)

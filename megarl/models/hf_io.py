@@ -25,7 +25,9 @@ INDEX_FILE = "model.safetensors.index.json"
 def read_hf_config(path: str | os.PathLike) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"HF model folder {path} has no config.json (expected {cfg_path})")
+        from megarl.models.packaged import missing_hint
+
+        raise FileNotFoundError(f"HF model folder {path} has no config.json (expected {cfg_path}){missing_hint(path)}")
     with open(cfg_path) as f:
         return json.load(f)
 

@@ -74,15 +74,15 @@ class RolloutStage:
         self.aborted: dict[int, list[Result]] = {}
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                     max_new_tokens=r.max_new_tokens, stop_token_ids=(inputs.tokenizer.eos_id,))
+                                     max_new_tokens=r.max_new_tokens, stop_token_ids=inputs.tokenizer.stop_ids)
 
     def _assignment(self, uids: list[int]) -> list[list[int]]:
         return place(uids, self.replicas, self.cfg.rollout.placement, self.history)
 
     def requests(self, uids: list[int]) -> list[Request]:
         """The G requests of each prompt in ``uids``, grouped by prompt."""
-        tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
-        return [Request(uid=u, sample_idx=i, prompt_ids=tok.encode(self.inputs.problems[u].prompt), params=self.params)
+        g = self.cfg.rollout.group_size
+        return [Request(uid=u, sample_idx=i, prompt_ids=self.inputs.prompt_ids[u], params=self.params)
                 for u in uids for i in range(g)]
 
     def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None,

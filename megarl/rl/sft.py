@@ -35,8 +35,9 @@ def run_sft(trainer, inputs, cfg: RunConfig) -> dict[str, float]:
     for step in bar:
         batch = sft_batch(inputs, cfg, step)
         n = float(batch["loss_mask"].sum())  # the whole step's count; each DP rank trains its rows
+        # T=1 whatever rollout.temperature is: SFT fits the data's own distribution (plain NLL).
         out = trainer.train_step(dp_rows(batch, trainer.dims.dp_rank, trainer.dims.dp),
-                                 lambda lp, mb: (sft_loss(lp, mb["loss_mask"], n), {}))
+                                 lambda lp, mb: (sft_loss(lp, mb["loss_mask"], n), {}), temperature=1.0)
         last = out["loss"]
         first = last if first is None else first
         bar.set_postfix(loss=f"{last:.3f}")

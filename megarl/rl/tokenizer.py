@@ -5,7 +5,8 @@ one token, so response lengths in tokens are response lengths in characters, whi
 long-tail bookkeeping of the schedulers easy to read). ``save_pretrained`` writes a real
 ``tokenizer.json`` so that checkpoints exported for Hugging Face tools load with
 ``AutoTokenizer.from_pretrained`` and tokenize identically. ``HFTokenizer`` wraps any local HF
-tokenizer (real datasets) behind the same interface.
+tokenizer (real models: byte-level BPE, chat templates, several stop tokens) behind the same
+interface.
 
 Ids: ``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2 (never added by ``encode``: prompts are used as
 written; it exists for models that want a start token), then the characters of ``CHARS`` in order.
@@ -30,8 +31,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
     pad_id: int
+    stop_ids: tuple[int, ...]
+    """Every token id that ends a response (EOS first)."""
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids the policy sees for a prompt (chat template and special tokens applied)."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -54,6 +60,7 @@ class CharTokenizer:
         self.pad_id = SPECIAL_TOKENS.index(PAD)
         self.eos_id = SPECIAL_TOKENS.index(EOS)
         self.bos_id = SPECIAL_TOKENS.index(BOS)
+        self.stop_ids = (self.eos_id,)
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +75,10 @@ class CharTokenizer:
                                  f"in the vocabulary; valid characters: {self.chars!r}")
             ids.append(tid)
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompts are used as written: no chat template, no BOS."""
+        return self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         out = []
@@ -112,26 +123,50 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """``transformers.AutoTokenizer`` from a local directory, behind the ``Tokenizer`` interface.
+    """``transformers.AutoTokenizer`` from a local folder, behind the ``Tokenizer`` interface.
 
-    ``encode`` adds no special tokens (the chat template / prompt text is the caller's business);
-    ``decode`` skips special tokens. ``pad_id`` falls back to ``eos_id`` when the tokenizer has no
-    pad token (common for Llama-family tokenizers); padding is never sampled, so this is harmless.
+    - ``encode`` adds no special tokens (response pieces, SFT targets); ``encode_prompt`` turns a
+      prompt into the ids the policy sees: with the chat template (``chat_template``; default:
+      when the tokenizer has one) a user turn, an optional system turn and the generation prompt,
+      exactly as ``apply_chat_template(..., add_generation_prompt=True)``; without one, the text
+      with the tokenizer's own special tokens (a BOS only where its config adds one).
+    - ``stop_ids``: every token that ends a response: the tokenizer's EOS and each
+      ``eos_token_id`` of the folder's ``generation_config.json`` (an int or a list).
+    - ``decode`` skips special tokens; bytes of a character cut by the length limit decode to
+      U+FFFD, never an error (rewards still get a string).
+    - ``pad_id`` falls back to the EOS when there is no pad token (padding is never sampled).
+    - Folders saved by transformers 5.x (``tokenizer_class: TokenizersBackend``, the chat template in
+      ``chat_template.jinja``) load under transformers 4.x too (:func:`load_hf_tokenizer`).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, chat_template: bool | None = None,
+                 system_prompt: str | None = None, generation_config: str | os.PathLike | None = None) -> None:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"HFTokenizer: tokenizer directory {str(path)!r} does not exist; expected a "
                                     f"local directory holding tokenizer.json / tokenizer_config.json")
-        from transformers import AutoTokenizer
-
         self.path = path
-        self.hf = AutoTokenizer.from_pretrained(str(path))
+        self.hf = load_hf_tokenizer(path)
         if self.hf.eos_token_id is None:
             raise ValueError(f"HFTokenizer: tokenizer at {str(path)!r} defines no eos_token; generation needs one")
         self.eos_id = int(self.hf.eos_token_id)
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
+        has_template = bool(getattr(self.hf, "chat_template", None))
+        if chat_template and not has_template:
+            raise ValueError(f"data.chat_template=true but the tokenizer at {str(path)!r} has no chat template "
+                             f"(tokenizer_config.json 'chat_template' or chat_template.jinja); use "
+                             f"data.chat_template=false to feed prompts as plain text")
+        if system_prompt is not None and not has_template:
+            raise ValueError(f"data.system_prompt needs a chat template; the tokenizer at {str(path)!r} has none")
+        self.uses_chat_template = has_template if chat_template is None else bool(chat_template)
+        self.system_prompt = system_prompt
+        self.generation_config = _read_generation_config(Path(generation_config or path))
+        stops = [self.eos_id] + _as_list(self.generation_config.get("eos_token_id"))
+        self.stop_ids = tuple(dict.fromkeys(int(t) for t in stops))  # ordered, unique
+        bad = [t for t in self.stop_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"generation_config.json eos_token_id {bad} is outside the tokenizer's vocabulary "
+                             f"[0, {self.vocab_size}) ({str(path)!r})")
 
     @property
     def vocab_size(self) -> int:
@@ -140,8 +175,79 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        if not self.uses_chat_template:
+            return list(self.hf.encode(text, add_special_tokens=True))
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        messages.append({"role": "user", "content": text})
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5.x returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """The tokenizer files, and the stop tokens in ``generation_config.json`` (the export's
+        own file, written before this runs, gets every stop id, so HF ``generate`` stops alike)."""
+        directory = Path(directory)
         self.hf.save_pretrained(str(directory))
+        gen_path = directory / "generation_config.json"
+        if gen_path.is_file() and len(self.stop_ids) > 1:
+            gen = json.loads(gen_path.read_text())
+            gen["eos_token_id"] = list(self.stop_ids)
+            gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _read_generation_config(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(gen).__name__}")
+    return gen
+
+
+def load_hf_tokenizer(path: Path):
+    """``AutoTokenizer.from_pretrained(path)``, and folders saved by transformers 5.x under 4.x:
+    5.x writes ``tokenizer_class: TokenizersBackend`` (a class 4.x lacks; it is a plain fast
+    tokenizer over ``tokenizer.json``), extra special tokens as a list, and the chat template in
+    ``chat_template.jinja``. Such a folder becomes a ``PreTrainedTokenizerFast`` with the same
+    special tokens and template: the same ids as 5.x gives."""
+    import transformers
+
+    cfg_path = path / "tokenizer_config.json"
+    cfg = {}
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+    cls = cfg.get("tokenizer_class")
+    if cls != "TokenizersBackend" or hasattr(transformers, "TokenizersBackend"):
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path}: tokenizer_class TokenizersBackend (saved by transformers 5.x) needs "
+                                f"tokenizer.json beside it")
+    kwargs = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length",
+                                  "clean_up_tokenization_spaces") if cfg.get(k) is not None}
+    extra = cfg.get("extra_special_tokens") or cfg.get("additional_special_tokens")
+    if isinstance(extra, dict):
+        extra = list(extra.values())
+    if extra:
+        kwargs["additional_special_tokens"] = list(extra)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text() if jinja.is_file() else cfg.get("chat_template")
+    if template:
+        tok.chat_template = template
+    return tok

@@ -4,6 +4,9 @@ Two ways to feed it, same update (DESIGN.md §2): :func:`grpo_update` takes the 
 rollout is over; :class:`StreamUpdate` takes each group as soon as it finishes (stream training)
 and runs its forward/backward then, while this process's other requests are still generating,
 and takes the optimizer step once the step's last group is in.
+
+Every logprob here (old, new, reference) is at ``rollout.temperature``: that of the distribution
+the engine sampled from, ``log softmax(logits / T)`` without top-k/top-p (DESIGN.md §2).
 """
 from __future__ import annotations
 
@@ -15,13 +18,15 @@ import torch.distributed as dist
 from megarl.config import RunConfig
 from megarl.rl.batching import dp_rows, make_batch
 from megarl.rl.grpo import group_advantages, grpo_loss
+from megarl.stream_train.logprobs import vocab_parallel_logprobs
 
 
-def ref_token_logprobs(ref, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logprob of token t+1 at t under the (plain-torch) reference model: [B, T-1]."""
+def ref_token_logprobs(ref, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of token t+1 at t under the (plain-torch) reference model at ``temperature`` (as the
+    trainer's, so the KL term compares the same distributions): [B, T-1], fp32."""
     with torch.no_grad():
         logits = ref(input_ids).float()
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], None, logits.shape[-1], temperature)
 
 
 def has_signal(group) -> bool:
@@ -48,10 +53,11 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
     batch = dp_rows(batch, trainer.dims.dp_rank, trainer.dims.dp)  # this DP rank's rows
     # One optimizer step per RL step, so old == current policy and the ratio starts at 1; computed
     # explicitly all the same so that the objective stays PPO's if more updates per step are added.
-    batch["old_logprobs"] = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"])
-    diff = _logprob_diff_max(trainer, batch, results, cfg)
+    temp = cfg.rollout.temperature
+    batch["old_logprobs"] = trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"], temperature=temp)
+    diff = _logprob_diff_max(trainer, batch, results)
     if ref is not None:
-        batch["ref_logprobs"] = ref_token_logprobs(ref, batch["input_ids"])
+        batch["ref_logprobs"] = ref_token_logprobs(ref, batch["input_ids"], temp)
     c = cfg.grpo
 
     def loss_fn(logprobs, mb):
@@ -59,20 +65,18 @@ def grpo_update(trainer, groups, cfg: RunConfig, inputs, ref=None) -> dict[str, 
                          clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef,
                          ref_logprobs=mb.get("ref_logprobs"))
 
-    out = trainer.train_step(batch, loss_fn)
+    out = trainer.train_step(batch, loss_fn, temperature=temp)
     out["adv_abs_mean"] = float(adv.abs().mean())
-    if diff is not None:
-        out["logprob_diff_max"] = diff
+    out["logprob_diff_max"] = diff
     return out
 
 
-def _logprob_diff_max(trainer, batch, results, cfg: RunConfig) -> float | None:
+def _logprob_diff_max(trainer, batch, results) -> float:
     """Largest |engine logprob - trainer logprob| over the step's response tokens (all DP ranks):
     the on-policy check. Every sample must come from the weights being trained, so the two agree
     up to the engine's and trainer's rounding; a sample carried over from older weights shows up
-    at once. Only at temperature 1, where the engine's logprobs are the trainer's distribution."""
-    if cfg.rollout.temperature != 1.0:
-        return None
+    at once. Holds at every temperature: both sides are logprobs of softmax(logits / T), top-k/
+    top-p not applied (``batch["old_logprobs"]`` must be taken at the rollout's temperature)."""
     d = trainer.dims
     rows = results[d.dp_rank::d.dp] if d.dp > 1 else results
     eng = torch.zeros_like(batch["old_logprobs"], dtype=torch.float64)
@@ -145,7 +149,7 @@ class StreamUpdate:
                            self.inputs.tokenizer.pad_id)
         batch["advantages"] = adv
         if self.ref is not None:
-            batch["ref_logprobs"] = ref_token_logprobs(self.ref, batch["input_ids"])
+            batch["ref_logprobs"] = ref_token_logprobs(self.ref, batch["input_ids"], self.cfg.rollout.temperature)
         c = self.cfg.grpo
 
         def loss_fn(logprobs, mb):
@@ -153,7 +157,7 @@ class StreamUpdate:
                              clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef,
                              ref_logprobs=mb.get("ref_logprobs"))
 
-        self.trainer.accumulate(batch, loss_fn)
+        self.trainer.accumulate(batch, loss_fn, temperature=self.cfg.rollout.temperature)
         self.tokens += float(batch["loss_mask"].sum())
         self.groups += 1
         self.seconds += time.perf_counter() - t0

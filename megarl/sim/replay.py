@@ -56,7 +56,7 @@ def _prompt_lengths(run_dir: Path) -> dict[int, int] | None:
         from megarl.setup_run import prepare_inputs
 
         inputs = prepare_inputs(load_config(str(run_dir / "config.yaml"), []))
-        return {u: len(inputs.tokenizer.encode(p.prompt)) for u, p in enumerate(inputs.problems)}
+        return {u: len(ids) for u, ids in enumerate(inputs.prompt_ids)}
     except Exception:  # noqa: BLE001 - a replay without the task falls back to a constant
         return None
 

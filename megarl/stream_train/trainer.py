@@ -4,6 +4,11 @@ Loss contract (DESIGN.md §2): ``loss_fn`` normalises by the WHOLE step's token 
 which the caller puts in the batch. The trainer therefore only sums: gradients of micro-batches
 accumulate, data-parallel replicas' gradients are summed (``calculate_per_token_loss`` makes
 Megatron's DDP use scaling factor 1), nothing is divided by the number of micro-batches.
+
+Temperature: the logprobs handed to ``loss_fn`` and returned by :meth:`Trainer.masked_logprobs`
+are ``log softmax(logits / temperature)`` (``temperature`` argument, default 1; 0 reads as 1), the
+distribution the engine samples from (megarl/stream_train/logprobs.py). It is an argument of each
+call, not trainer state: one trainer runs SFT (T=1) and RL (the rollout's T).
 """
 from __future__ import annotations
 
@@ -267,7 +272,8 @@ class Trainer:
             order = torch.cat([order, torch.arange(n, rows)])
         return list(_micro_batches(batch, size, order, trim=False)), order
 
-    def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None) -> list[dict]:
+    def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None,
+                          temperature: float = 1.0) -> list[dict]:
         """Megatron's schedule over ``microbatches`` (1F1B through the pipeline stages with PP > 1,
         interleaved over the model chunks with virtual stages, a plain loop otherwise). With ``loss_fn``: forward and backward, gradients accumulate and
         are finalized (DP all-reduce, tied-embedding all-reduce). Without: forward only.
@@ -289,7 +295,7 @@ class Trainer:
             out = model(ids, torch.arange(t, device=device).expand(b, t), causal_mask(t, device))
 
             def loss_func(local_logits: torch.Tensor):
-                lp = vocab_parallel_logprobs(local_logits[:, :-1], ids[:, 1:], dims.tp_group, vocab)
+                lp = vocab_parallel_logprobs(local_logits[:, :-1], ids[:, 1:], dims.tp_group, vocab, temperature)
                 if loss_fn is None:
                     return lp.new_zeros(()), one, {"logprobs": lp.detach()}
                 loss, metrics = loss_fn(lp, mb)
@@ -329,13 +335,14 @@ class Trainer:
             dist.broadcast(t, group=self.dims.pp_group, group_src=self.dims.pp - 1)
         return t.cpu()
 
-    def _masked_logprobs_impl(self, batch: dict[str, Any], order: torch.Tensor | None) -> torch.Tensor:
+    def _masked_logprobs_impl(self, batch: dict[str, Any], order: torch.Tensor | None,
+                              temperature: float) -> torch.Tensor:
         input_ids = batch["input_ids"]
         out = torch.zeros((input_ids.shape[0], input_ids.shape[1] - 1),
                           dtype=torch.promote_types(self.dtype, torch.float32))
         mbs, order = self._split(batch, order)
         with torch.no_grad():
-            outputs = self._forward_backward(mbs, None)
+            outputs = self._forward_backward(mbs, None, temperature)
         if self._last_stage:
             start = 0
             for mb, res in zip(mbs, outputs):
@@ -358,29 +365,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ public API
 
-    def token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_logprobs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
         """Logprob [B, T-1] (no grad; at least fp32, on CPU, on every rank) of ``input_ids[:, t+1]``
-        given ``input_ids[:, :t+1]``, in micro-batches of ``micro_batch_size`` rows. Right padding
-        is harmless (causal)."""
-        return self._masked_logprobs_impl({"input_ids": input_ids}, None)
+        given ``input_ids[:, :t+1]`` under ``softmax(logits / temperature)`` (0 reads as 1), in
+        micro-batches of ``micro_batch_size`` rows. Right padding is harmless (causal)."""
+        return self._masked_logprobs_impl({"input_ids": input_ids}, None, temperature)
 
-    def masked_logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def masked_logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
+                        temperature: float = 1.0) -> torch.Tensor:
         """Like :meth:`token_logprobs` but only where ``loss_mask`` is set (0 elsewhere): rows are
         length-sorted and trimmed, so padding costs nothing."""
         batch = {"input_ids": input_ids, "loss_mask": loss_mask}
-        return self._masked_logprobs_impl(batch, _length_order(batch))
+        return self._masked_logprobs_impl(batch, _length_order(batch), temperature)
 
-    def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: dict[str, Any], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over ``batch`` (``input_ids`` [B, T] right-padded, ``loss_mask``
         [B, T-1], plus whatever ``loss_fn`` reads). ``loss_fn(logprobs [b, T-1], micro_batch)``
-        returns ``(loss, metrics)`` with the loss already normalised by the whole step's count.
+        returns ``(loss, metrics)`` with the loss already normalised by the whole step's count; the
+        logprobs are at ``temperature`` (RL: the rollout's, so they are the sampler's; SFT: 1).
         Every rank of a data-parallel replica (its TP and PP ranks) passes the same ``batch``;
         ``loss_fn`` runs on the last pipeline stage.
 
         Returns, on every rank, the summed ``loss``, the summed ``loss_fn`` metrics (summed over DP
         too), the pre-clip ``grad_norm`` and ``update_ok`` (False if the optimizer skipped the step)."""
         self.begin_step()
-        self.accumulate(batch, loss_fn)
+        self.accumulate(batch, loss_fn, temperature=temperature)
         return self.finish_step()
 
     def begin_step(self) -> None:
@@ -391,7 +400,7 @@ class Trainer:
         self.optimizer.zero_grad()
         self._sums: dict[str, float] = {}
 
-    def accumulate(self, batch: dict[str, Any], loss_fn: LossFn) -> None:
+    def accumulate(self, batch: dict[str, Any], loss_fn: LossFn, *, temperature: float = 1.0) -> None:
         """Forward and backward of ``batch`` (as in :meth:`train_step`), gradients added to the
         step's; nothing is reduced across ranks yet. Stream training calls it once per finished
         group while rollout goes on (megarl/stream_train/stream.py)."""
@@ -401,7 +410,7 @@ class Trainer:
         config = self.gpt.config
         finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
         try:  # the schedule would finalize (all-reduce) after every call: finish_step does it once
-            outputs = self._forward_backward(mbs, loss_fn)
+            outputs = self._forward_backward(mbs, loss_fn, temperature)
         finally:
             config.finalize_model_grads_func = finalize
         for res in outputs:

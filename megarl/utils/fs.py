@@ -16,6 +16,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
     try:
         yield tmp
     except BaseException:

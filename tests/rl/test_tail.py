@@ -105,12 +105,11 @@ def test_logprob_diff_catches_samples_from_other_weights():
     stage, model = _stage(4)
     results = [r for g in stage.run([0, 1, 2, 3], step=0) for r in g.results]
     batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], stage.inputs.tokenizer.pad_id)
-    cfg = stage.cfg
     trainer = types.SimpleNamespace(dims=types.SimpleNamespace(dp=1, dp_rank=0))
 
     def diff_under(policy):
         batch["old_logprobs"] = ref_token_logprobs(policy.double(), batch["input_ids"]) * batch["loss_mask"]
-        return _logprob_diff_max(trainer, batch, results, cfg)
+        return _logprob_diff_max(trainer, batch, results)
 
     assert diff_under(copy.deepcopy(model)) <= 1e-5  # (ref_token_logprobs takes the softmax in fp32)
     moved = copy.deepcopy(model)

@@ -132,3 +132,46 @@ def test_reset_optimizer_forgets_moments(dims, make_args):
     b.train_step(batch, nll_loss)
     wa, wb = a.hf_state_dict(), b.hf_state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=cpu_fp64_trainer)])
+def test_logprobs_at_temperature_match_hf(dims, make_args, dtype):
+    """token_logprobs / masked_logprobs at T are log_softmax(logits / T) of the same weights (the
+    distribution the engine samples from); T=0 (greedy) reads as T=1."""
+    args = make_args("qwen2")
+    tr = Trainer(args, TrainerConfig(micro_batch_size=4, dtype=dtype), dims, seed=4)
+    ref = causal_lm_from(tr, args, tr.dtype)
+    batch = make_batch(args)
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    tol = 1e-5 if dtype == "float32" else 1e-10
+    with torch.no_grad():
+        logits = ref(ids).to(torch.float64)
+    want = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    got = tr.token_logprobs(ids, temperature=0.7).double()
+    assert (got - want).abs().max().item() <= tol
+    masked = tr.masked_logprobs(ids, mask, temperature=0.7).double()
+    assert ((masked - want) * mask).abs().max().item() <= tol and (masked[mask == 0] == 0).all()
+    # the test can fail: T=0.7 and T=1 logprobs are far apart, T=0 is T=1
+    t1 = tr.token_logprobs(ids)
+    assert (t1.double() - got).abs().max().item() > 0.01
+    assert torch.equal(tr.token_logprobs(ids, temperature=0.0), t1)
+
+
+@cpu_fp64_trainer
+def test_train_step_gradient_at_temperature(dims, make_args):
+    """train_step(temperature=T) differentiates log_softmax(logits / T): its gradient norm is the
+    plain-torch model's for the same loss (fp64), through Megatron's backward and the custom
+    logprob backward."""
+    args = make_args("qwen2")
+    batch = make_batch(args)
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    norms = {}
+    for temperature in (1.3, 1.0):
+        tr = Trainer(args, TrainerConfig(lr=1e-2, micro_batch_size=4, dtype="float64"), dims, seed=6)
+        ref = causal_lm_from(tr, args, torch.float64)
+        lp = torch.log_softmax(ref(ids)[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        (-(lp * mask).sum() / batch["num_tokens"]).backward()
+        want = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+        norms[temperature] = tr.train_step(batch, nll_loss, temperature=temperature)["grad_norm"]
+        assert norms[temperature] == pytest.approx(want, rel=1e-6)  # Megatron sums the norm in fp32
+    assert abs(norms[1.3] - norms[1.0]) > 0.01 * norms[1.0]  # far beyond the tolerance
