@@ -12,6 +12,7 @@ from typing import Callable
 
 from megarl.config import RunConfig
 from megarl.engine.tp_model import check_tp
+from megarl.models import hub
 from megarl.models.config import ModelArgs
 from megarl.checkpoint.convert import check_hf_weights
 from megarl.checkpoint.safetensors_stream import LazyTensors
@@ -136,6 +137,10 @@ def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
+    # Hub ids (where a hub is reachable) become their downloaded folders; local paths stay.
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, init_from_hf=hub.resolve(cfg.model.init_from_hf, "model.init_from_hf")), data=dataclasses.replace(
+        cfg.data, tokenizer_path=hub.resolve(cfg.data.tokenizer_path, "data.tokenizer_path")))
     tokenizer, problems, reward_fn, task = _data(cfg)
 
     if cfg.model.init_from_hf:
