@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
-from megarl.utils.fs import atomic_dir
+from megarl.utils.fs import atomic_dir, umask
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,6 +99,7 @@ def save_hf_model(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir:
         with open(tmp / "config.json", "w") as f:
             json.dump(args.to_hf_config(torch_dtype=dtype), f, indent=2)
         save_file(sd, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        os.chmod(tmp / SINGLE_FILE, 0o666 & ~umask())  # safetensors writes 0600; a model folder is shared
         gen = {k: getattr(args, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                if getattr(args, k) is not None}
         with open(tmp / "generation_config.json", "w") as f:

@@ -16,7 +16,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700; give it a normal folder's mode
     try:
         yield tmp
     except BaseException:
@@ -31,7 +31,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         os.rename(tmp, final)
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0)  # the only way to read it is to set it; restore at once
     os.umask(mask)
     return mask
@@ -44,7 +44,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; give it a normal file's mode
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes it 0600; give it a normal file's mode
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
