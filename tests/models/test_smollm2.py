@@ -32,6 +32,13 @@ FRANCE_TEXT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM,
                "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def chat_ids(hf_tokenizer, chat) -> list[int]:
+    """``apply_chat_template(..., add_generation_prompt=True)`` ids (transformers 5.x returns them
+    in a BatchEncoding, 4.x as a list)."""
+    ids = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_tokenizer_round_trips_a_chat_like_smollm2s_own(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -40,10 +47,10 @@ def test_tokenizer_round_trips_a_chat_like_smollm2s_own(smollm2_dir, tmp_path):
                                                                        "<|endoftext|>")
     assert (hf.bos_token_id, hf.eos_token_id, len(hf)) == (1, 2, 49152)
     chat = [{"role": "user", "content": FRANCE}]
-    assert hf.apply_chat_template(chat, add_generation_prompt=True) == FRANCE_IDS
+    assert chat_ids(hf, chat) == FRANCE_IDS
     assert hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == FRANCE_TEXT
     assert hf.decode(FRANCE_IDS) == FRANCE_TEXT
-    hello = hf.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True)
+    hello = chat_ids(hf, [{"role": "user", "content": "hello world"}])
     assert hello == FRANCE_IDS[:24] + HELLO_IDS_TAIL
     # No BOS added to plain text (transformers' own GGUF conversion adds one); one token per digit.
     assert hf("Paris").input_ids == hf.encode("Paris", add_special_tokens=False)
@@ -109,7 +116,8 @@ def test_logits_match_transformers(smollm2_dir, monkeypatch):
 
     def rotary(self, x, position_ids):
         dim = self.inv_freq.shape[0] * 2
-        inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(x.dtype) / dim))
+        theta = getattr(self.config, "rope_parameters", None) or {"rope_theta": self.config.rope_theta}  # 5.x / 4.x
+        inv = 1.0 / (theta["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).to(x.dtype) / dim))
         emb = torch.cat([position_ids[..., None].to(x.dtype) * inv] * 2, dim=-1)
         return emb.cos(), emb.sin()
 
@@ -222,7 +230,7 @@ def test_grpo_on_smollm2_resumes_exactly_at_temperature(smollm2_dir, tmp_path):
         assert m["logprob_diff_max"] < 1e-4  # engine and trainer score the same T=0.7 distribution
     assert metrics[0]["weight_checksum"] != metrics[1]["weight_checksum"]
     tok = AutoTokenizer.from_pretrained(run / "hf")
-    assert tok.apply_chat_template([{"role": "user", "content": FRANCE}], add_generation_prompt=True) == FRANCE_IDS
+    assert chat_ids(tok, [{"role": "user", "content": FRANCE}]) == FRANCE_IDS
 
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("step_000002", "hf"))
