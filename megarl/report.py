@@ -1,7 +1,11 @@
-"""``megarl report RUN_DIR``: where a run's time went, and how long its responses were, as PNGs.
+"""``megarl report RUN_DIR``: where a run's time went, how long its responses were, and how it
+learned, as PNGs.
 
 Reads ``RUN_DIR/timeline.jsonl`` (one line per RL step, written by rank 0; format below) and
-writes into ``RUN_DIR/report/`` (or ``--out``):
+``RUN_DIR/metrics.jsonl``, and writes into ``RUN_DIR/report/`` (or ``--out``) the two figures
+below and the metric curves ``reward.png``, ``entropy.png``, ``response_length.png`` and
+``step_time.png`` (megarl/utils/metric_curves.py). A run without ``timeline.jsonl`` (made
+before it existed) gets the curves only, one without ``metrics.jsonl`` the two figures only.
 
 ``timeline.png``
     One row per rank (rank 0 on top; the tick label gives its rollout replica and the response
@@ -21,7 +25,7 @@ writes into ``RUN_DIR/report/`` (or ``--out``):
     marked. Right: per step, the P50 / P90 / max response length, so a growing long tail (which
     is what makes ranks wait) shows up as the max line pulling away from the median.
 
-Everything comes from ``timeline.jsonl`` (``metrics.jsonl`` is not needed). Its format::
+These two come from ``timeline.jsonl``. Its format::
 
     {"step": 3,                                  1-based, as in metrics.jsonl
      "ranks": [{"rank": 0, "replica": 0,         replica: rollout data-parallel group index
@@ -35,14 +39,13 @@ Everything comes from ``timeline.jsonl`` (``metrics.jsonl`` is not needed). Its 
      "response_lengths": [12, 40, 300, ...]}     every response of the step (all ranks)
 
 Figures are drawn with :class:`matplotlib.figure.Figure` on an Agg canvas (no pyplot, no global
-backend state) and written atomically: rendered to memory first, then a temporary file in the
-output folder renamed over the final name, so a failure leaves no partial or temporary file.
+backend state) and written atomically: all rendered to memory first, then each to a temporary
+file in the output folder renamed over the final name, so bad input writes nothing and a failure
+leaves no partial or temporary file.
 """
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import logging
 import math
 import os
@@ -50,8 +53,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.rl import timeline
+from megarl.sched import timeline
+from megarl.utils import metric_curves
+from megarl.utils.figures import DPI, WIDTH_IN, new_figure, png_bytes  # noqa: F401 (DPI, WIDTH_IN: re-exported)
 from megarl.utils.fs import atomic_write_bytes
+from megarl.utils.jsonl import read_numbered_lines
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +77,6 @@ PHASE_COLORS: dict[str, str] = {
 }
 """Bar colour of each phase in ``timeline.png`` (hex RGB, drawn fully opaque)."""
 
-WIDTH_IN = 12.0
-DPI = 100
 # Sortedness/overlap check tolerance: event times are floats from separate clock reads.
 _EPS = 1e-6
 
@@ -157,27 +161,16 @@ def load_timeline(run_dir: str | os.PathLike) -> list[dict]:
     """The validated step records of ``RUN_DIR/timeline.jsonl``, sorted by step.
 
     Errors name the file, the line and what is wrong. If a step appears more than once (a resumed
-    run re-ran it), the last line wins, as it is the one the run continued from. An unparsable
-    last line without a final newline is skipped with a warning: it is the line rank 0 is still
-    writing when the report is made during training.
+    run re-ran it), the last line wins, as it is the one the run continued from. A torn last line
+    is skipped with a warning (megarl/utils/jsonl.py): it is the line rank 0 is still writing
+    when the report is made during training, or what a crash left.
     """
     path = Path(run_dir) / TIMELINE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: runs write {TIMELINE_FILE} (one line per RL step) from this "
                                 f"version of megarl on; a run made before has no timeline to report")
-    text = path.read_text()
-    lines = text.split("\n")
     by_step: dict[int, dict] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not text.endswith("\n"):
-                log.warning("%s:%d: skipping the unfinished last line (still being written?)", path, lineno)
-                continue
-            raise ValueError(f"{path}:{lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
+    for lineno, rec in read_numbered_lines(path):
         try:
             _check_step(rec)
         except ValueError as e:
@@ -195,7 +188,7 @@ def bubble_fraction(step_record: dict) -> float:
     """Share of the rollout phase's rank-seconds spent idle in one step.
 
     Idle seconds inside ``[start, rollout_end]`` (a rank's ``start`` of the step: 0 if absent)
-    summed over ranks, divided by the summed lengths of those spans (megarl/rl/timeline.py, what
+    summed over ranks, divided by the summed lengths of those spans (megarl/sched/timeline.py, what
     ``metrics.jsonl``'s ``bubble_frac`` is): ``bubble`` work and stream training in the wait are not idle, and idle time after
     ``rollout_end`` belongs to training, not to rollout imbalance.
     A step without a rollout phase (``rollout_end == 0``) has fraction 0.
@@ -244,8 +237,9 @@ def _check_steps(steps: tuple[int | None, int | None], what: str) -> None:
 
 
 def select_steps(records: list[dict], steps: tuple[int | None, int | None] | None,
-                 max_default: int = DEFAULT_MAX_STEPS) -> tuple[list[dict], str]:
-    """The records to draw and a note for the title on how they were chosen."""
+                 max_default: int = DEFAULT_MAX_STEPS, source: str = TIMELINE_FILE) -> tuple[list[dict], str]:
+    """The records to draw and a note for the title on how they were chosen (``source``: the file
+    they come from, for the error message)."""
     if steps is None:
         if len(records) > max_default:
             return records[-max_default:], f"last {max_default} of {len(records)} steps"
@@ -256,7 +250,7 @@ def select_steps(records: list[dict], steps: tuple[int | None, int | None] | Non
     a, b = steps
     chosen = [r for r in records if (a is None or r["step"] >= a) and (b is None or r["step"] <= b)]
     if not chosen:
-        raise ValueError(f"no steps in {a or ''}:{b or ''}; {TIMELINE_FILE} has steps "
+        raise ValueError(f"no steps in {a or ''}:{b or ''}; {source} has steps "
                          f"{records[0]['step']}..{records[-1]['step']}")
     return chosen, ""
 
@@ -267,22 +261,6 @@ def _steps_label(records: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------ figures
-
-
-def _new_figure(height_in: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(WIDTH_IN, height_in), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png_bytes(fig) -> bytes:
-    buf = io.BytesIO()
-    # No bbox_inches="tight": the image is exactly figsize * dpi pixels.
-    fig.savefig(buf, format="png", dpi=DPI)
-    return buf.getvalue()
 
 
 def timeline_height(n_ranks: int) -> float:
@@ -321,7 +299,7 @@ def draw_timeline(records: list[dict], note: str = ""):
                 bars.setdefault((row[r["rank"]], phase), []).append((t0 + ev["start"], ev["end"] - ev["start"]))
         t0 += span + gap
 
-    fig = _new_figure(timeline_height(len(ranks)))
+    fig = new_figure(timeline_height(len(ranks)))
     ax = fig.add_subplot()
     for (i, phase), xs in bars.items():
         ax.broken_barh(xs, (i - 0.4, 0.8), facecolors=PHASE_COLORS[phase], edgecolor="none", alpha=1.0)
@@ -351,7 +329,7 @@ def draw_timeline(records: list[dict], note: str = ""):
 
 def draw_lengths(records: list[dict]):
     """The response-length figure of ``records`` (see the module docstring)."""
-    fig = _new_figure(4.5)
+    fig = new_figure(4.5)
     hist, tail = fig.subplots(1, 2)
     every = [x for rec in records for x in rec["response_lengths"]]
     if every:
@@ -388,18 +366,36 @@ def draw_lengths(records: list[dict]):
 
 def render_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                   steps: tuple[int | None, int | None] | None = None) -> list[Path]:
-    """Write ``timeline.png`` and ``lengths.png`` of a run; returns their paths.
+    """Write the PNGs of a run (module docstring); returns their paths.
 
-    ``steps``: ``(first, last)``, 1-based and inclusive (``None`` on a side: open), limiting both
-    figures; ``None``: ``timeline.png`` shows the last 30 steps (saying so in its title) and
-    ``lengths.png`` all of them (a per-step line stays readable over any number of steps).
-    Both figures are rendered before anything is written, so bad input writes nothing.
+    ``steps``: ``(first, last)``, 1-based and inclusive (``None`` on a side: open), limiting every
+    figure; ``None``: ``timeline.png`` shows the last 30 steps (saying so in its title), the
+    others all of them (a per-step line stays readable over any number of steps). Every figure
+    is rendered before anything is written, so bad input writes nothing.
     """
-    records = load_timeline(run_dir)
-    shown, note = select_steps(records, steps)
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / REPORT_DIR
-    images = {"timeline.png": _png_bytes(draw_timeline(shown, note)),
-              "lengths.png": _png_bytes(draw_lengths(records if steps is None else shown))}
+    run_dir = Path(run_dir)
+    has_timeline = (run_dir / TIMELINE_FILE).is_file()
+    has_metrics = (run_dir / metric_curves.METRICS_FILE).is_file()
+    if not has_metrics:
+        if not has_timeline:
+            load_timeline(run_dir)  # nothing to draw: the timeline's own FileNotFoundError
+        log.warning("%s not found: no metric curves", run_dir / metric_curves.METRICS_FILE)
+    images = {}
+    if has_timeline:
+        records = load_timeline(run_dir)
+        shown, note = select_steps(records, steps)
+        images["timeline.png"] = png_bytes(draw_timeline(shown, note))
+        images["lengths.png"] = png_bytes(draw_lengths(records if steps is None else shown))
+    else:
+        log.warning("%s not found (the run predates it): drawing the metric curves only", run_dir / TIMELINE_FILE)
+    if has_metrics:
+        metrics = metric_curves.load_metrics(run_dir)
+        if steps is not None and metrics:
+            metrics, _ = select_steps(metrics, steps, source=metric_curves.METRICS_FILE)
+        if metrics:
+            for name, fig in metric_curves.draw_curves(metrics, PHASE_COLORS, run_dir.resolve().name).items():
+                images[name] = png_bytes(fig)
+    out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, data in images.items():
@@ -420,8 +416,9 @@ def _steps_arg(text: str) -> tuple[int | None, int | None]:
 
 def add_report_parser(subparsers) -> argparse.ArgumentParser:
     """``report RUN_DIR [--out DIR] [--steps A:B]`` under a ``megarl`` subparsers object."""
-    p = subparsers.add_parser("report", help="draw a run's per-rank timeline and response lengths as PNGs")
-    p.add_argument("run_dir", help=f"run directory holding {TIMELINE_FILE}")
+    p = subparsers.add_parser("report", help="draw a run's per-rank timeline, response lengths and metric curves "
+                                             "(reward, entropy, response length, step time by phase) as PNGs")
+    p.add_argument("run_dir", help=f"run directory holding {TIMELINE_FILE} and/or {metric_curves.METRICS_FILE}")
     p.add_argument("--out", default=None, help=f"output folder (default: RUN_DIR/{REPORT_DIR})")
     p.add_argument("--steps", type=_steps_arg, default=None, metavar="A:B",
                    help=f"1-based inclusive step range, either end optional (default: all; the timeline "

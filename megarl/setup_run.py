@@ -137,6 +137,7 @@ def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
+    cfg.logging.check_packages()  # TensorBoard / W&B asked for but not installed
     # Hub ids (where a hub is reachable) become their downloaded folders; local paths stay.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, init_from_hf=hub.resolve(cfg.model.init_from_hf, "model.init_from_hf")), data=dataclasses.replace(

@@ -4,9 +4,9 @@ import sys
 
 from megarl.config import load_config
 from megarl.parallel.dist import init_parallel, teardown
-from megarl.parallel.weight_sync import tensor_checksum
+from megarl.parallel.checksum import tensor_checksum
 from megarl.rl.grpo import sft_loss
-from megarl.rl.sft import sft_batch
+from megarl.stages.sft import sft_batch
 from megarl.setup_run import prepare_inputs
 from megarl.stream_train.trainer import Trainer
 from megarl.train import set_deterministic

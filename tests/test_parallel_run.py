@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from megarl.checkpoint.convert import hf_to_mcore
-from megarl.rl.timeline import MIN_EVENT_S
+from megarl.sched.timeline import MIN_EVENT_S
 from tests.parallel_run_worker import MOE
 from tests.stream_train.launch import torchrun
 
@@ -161,7 +161,7 @@ def test_tail_batching_is_on_policy_and_repeatable(runs, run):
     """Short rounds keep the first complete prompts and queue the rest; a long round runs the queue.
     Every trained sample comes from the weights being trained (engine and trainer logprobs agree to
     fp64 rounding: a sample carried over from an older step would differ by ~1e-3, see
-    tests/rl/test_tail.py); the resumed run and the stream-trained one equal the plain one."""
+    tests/sched/test_tail.py); the resumed run and the stream-trained one equal the plain one."""
     got = metrics(runs / run)
     assert sum(m["tail_deferred"] for m in got) > 0
     queue = 0

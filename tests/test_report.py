@@ -11,6 +11,7 @@ from matplotlib import colors as mcolors
 from matplotlib import image as mimage
 
 from megarl import report
+from megarl.utils import metric_curves
 from megarl.report import (DPI, PHASE_COLORS, WIDTH_IN, add_report_parser, bubble_fraction, load_timeline,
                            parse_steps, render_report, run_report, timeline_height)
 
@@ -103,9 +104,10 @@ def test_render_report_writes_both_pngs(tmp_path):
     records[2]["ranks"][0]["events"][-2]["phase"] = "offload"  # unknown phase (1 s): drawn as "other"
     run = _write_run(tmp_path / "run", records, metrics=True)
     paths = render_report(run)
-    assert [p.name for p in paths] == ["timeline.png", "lengths.png"]
+    # (the metrics lines of _write_run hold response_len_mean only: one curve figure)
+    assert [p.name for p in paths] == ["timeline.png", "lengths.png", "response_length.png"]
     assert all(p.parent == run / "report" for p in paths)
-    assert sorted(os.listdir(run / "report")) == ["lengths.png", "timeline.png"]  # no temp files
+    assert sorted(os.listdir(run / "report")) == ["lengths.png", "response_length.png", "timeline.png"]  # no temp
 
     timeline = mimage.imread(paths[0])
     assert timeline.shape[:2] == (round(timeline_height(2) * DPI), round(WIDTH_IN * DPI))
@@ -155,11 +157,17 @@ def test_resumed_step_keeps_last_line(tmp_path):
 # ------------------------------------------------------------------------------------- errors
 
 
-def test_missing_timeline(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
+def test_missing_timeline_and_metrics(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"timeline\.jsonl not found.*from this version"):
         render_report(tmp_path)
     assert not (tmp_path / "report").exists()
+
+
+def test_missing_timeline_draws_curves_only(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(_metrics_line(s)) + "\n" for s in (1, 2)))
+    paths = render_report(tmp_path)
+    assert [p.name for p in paths] == ["reward.png", "entropy.png", "response_length.png", "step_time.png"]
+    assert "drawing the metric curves only" in caplog.text
 
 
 def test_malformed_line_names_line_number(tmp_path):
@@ -228,3 +236,81 @@ def test_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
         render_report(run)
     assert os.listdir(run / "report") == ["timeline.png"]
     assert (run / "report" / "timeline.png").read_bytes() == b"old"  # the old file is untouched
+
+
+# ------------------------------------------------------------------------------ metric curves
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics_line(step):
+    """A metrics.jsonl line as train.py writes it (a subset of its keys, one string among them)."""
+    return {"loss": 0.1, "weight_checksum": "73d335f8678e4d41", "step": step, "reward_mean": 0.05 * step,
+            "reward_max": min(1.0, 0.2 * step), "entropy_mean": 2.7 / step, "response_len_mean": 14.0 + step,
+            "response_len_max": 40 + 3 * step, "response_len_p50": 11.5 + step, "rollout_time_s": 0.1 * step,
+            "bubble_time_s": 0.01, "train_time_s": 0.05, "weight_sync_s": 0.003, "step_time_s": 0.2 * step}
+
+
+def _write_metrics(run, steps, extra=""):
+    with open(run / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(_metrics_line(s)) + "\n" for s in steps)
+        f.write(extra)
+
+
+def test_metric_curves_written_and_match_metrics(tmp_path, caplog):
+    run = _write_run(tmp_path / "run", [_synthetic_step(s) for s in (1, 2, 3, 4)])
+    _write_metrics(run, (1, 2, 3, 4), extra='{"step": 5, "rew')  # torn: the run is still writing step 5
+    paths = render_report(run)
+    names = ["reward.png", "entropy.png", "response_length.png", "step_time.png"]
+    assert [p.name for p in paths] == ["timeline.png", "lengths.png", *names]
+    assert "metrics.jsonl: dropping the torn last line" in caplog.text
+    for name in names:
+        data = (run / "report" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
+        img = mimage.imread(run / "report" / name)
+        assert img.shape[:2] == (round(4.0 * DPI), round(WIDTH_IN * DPI))
+        assert len(np.unique(img[..., :3].reshape(-1, 3), axis=0)) > 10, name  # not a blank canvas
+
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()[:4]]
+    data = metric_curves.curve_data(metric_curves.load_metrics(run))
+    assert list(data) == names
+    for name, (_, _, keys) in metric_curves.LINE_CURVES.items():
+        assert list(data[name]) == list(keys)
+        for key in keys:
+            assert data[name][key] == ([1, 2, 3, 4], [float(x[key]) for x in lines]), key
+    split = data["step_time.png"]
+    assert list(split) == ["rollout_time_s", "bubble_time_s", "train_time_s", "weight_sync_s", "other"]
+    for k in ("rollout_time_s", "bubble_time_s", "train_time_s", "weight_sync_s"):
+        assert split[k] == ([1, 2, 3, 4], [x[k] for x in lines])
+    totals = [sum(split[k][1][i] for k in split) for i in range(4)]
+    assert totals == pytest.approx([x["step_time_s"] for x in lines])  # the bars stack up to step_time_s
+    # The stacked bars carry the timeline's phase colours.
+    img = mimage.imread(run / "report" / "step_time.png")
+    for phase in ("generate", "train"):
+        assert _has_color(img, PHASE_COLORS[phase]), phase
+
+
+def test_metric_curves_steps_range_missing_keys_and_resumed_steps(tmp_path):
+    run = _write_run(tmp_path / "run", [_synthetic_step(s) for s in (1, 2, 3)])
+    lines = [_metrics_line(1), _metrics_line(2), _metrics_line(3), {**_metrics_line(2), "reward_mean": 0.9}]
+    del lines[0]["entropy_mean"]  # an older line without it: a gap, not an error
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = metric_curves.curve_data(metric_curves.load_metrics(run))
+    assert data["reward.png"]["reward_mean"] == ([1, 2, 3], [0.05, 0.9, pytest.approx(0.15)])  # last line wins
+    assert data["entropy.png"]["entropy_mean"][0] == [2, 3]
+    paths = render_report(run, tmp_path / "out", steps=(2, 3))
+    assert "reward.png" in [p.name for p in paths]
+    no_entropy = [{k: v for k, v in _metrics_line(s).items() if k != "entropy_mean"} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in no_entropy))
+    assert "entropy.png" not in [p.name for p in render_report(run, tmp_path / "out2")]
+
+
+def test_bad_metrics_line_names_file_and_line(tmp_path):
+    run = _write_run(tmp_path / "run", [_synthetic_step(1)])
+    (run / "metrics.jsonl").write_text(json.dumps(_metrics_line(1)) + "\n" + '{"step": 2, "reward_mean": "high"}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: reward_mean must be a number, got 'high'"):
+        render_report(run)
+    (run / "metrics.jsonl").write_text('{"step": 1, "rew\n' + json.dumps(_metrics_line(2)) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:1: malformed JSON"):
+        render_report(run)
+    assert not (run / "report").exists()  # nothing written on bad input

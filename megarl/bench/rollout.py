@@ -27,9 +27,11 @@ from megarl.engine import Engine
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.weight_sync import WeightSync
-from megarl.rl.rollout import RolloutStage, prompt_uids_for_step
-from megarl.rl.sft import run_sft
-from megarl.rl.update import grpo_update
+from megarl.sched.prompts import prompt_uids_for_step
+from megarl.stages.rollout import RolloutStage
+from megarl.stages.sft import run_sft
+from megarl.rl.grpo import UpdateSpec
+from megarl.stages.update import grpo_update
 from megarl.setup_run import prepare_inputs
 from megarl.spec.speculator import Speculator
 from megarl.stream_train.trainer import Trainer
@@ -88,7 +90,7 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
         for step in tqdm(range(steps), desc="bench rollout", disable=not progress):
             per_step.append(_bench_step(step, steps, cfg, inputs, engine, stage, variants, probes))
             groups = per_step[-1].pop("_groups")
-            grpo_update(trainer, groups, cfg, inputs)
+            grpo_update(trainer, groups, UpdateSpec.of(cfg, inputs.tokenizer.pad_id))
             weight_sync()
     finally:
         shutdown_distributed()
@@ -100,7 +102,7 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
 
 
 def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> dict:
-    uids = prompt_uids_for_step(step, cfg, len(inputs.problems))
+    uids = prompt_uids_for_step(step, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems))
     reqs = stage.requests(uids)
     row = {"step": step}
     engine.spec = None
@@ -127,7 +129,7 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
         exact &= row[name]["exact_match"]
     row["exact_match"] = exact
     if step + 1 < steps and "bubble_uncoupled" in variants:
-        nxt = stage.requests(prompt_uids_for_step(step + 1, cfg, len(inputs.problems)))
+        nxt = stage.requests(prompt_uids_for_step(step + 1, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems)))
         engine.spec = variants["all"]
         t0 = time.perf_counter()
         pre = engine.pregenerate(nxt, step + 1)

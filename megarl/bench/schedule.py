@@ -12,14 +12,14 @@ train`` with the config's layout on N processes:
   next step's bubble drafts (``schedule.bubble_work``), which the next step's speculation uses.
 
 From each run's ``metrics.jsonl`` (means over the steps): ``bubble_frac`` (idle rank-seconds
-over rank-seconds of the rollout phase, megarl/rl/timeline.py), ``rollout_time_s``,
+over rank-seconds of the rollout phase, megarl/sched/timeline.py), ``rollout_time_s``,
 ``step_time_s``; ``rollout_speedup`` = baseline / megarl rollout time. ``exact_match``: every
 step sampled the very same tokens in both runs (``rollout.dump``), and the final weights agree
 within ``weight_tol`` (stream training sums the same gradients in another order: equal up to
 fp32 rounding, ``weights_max_abs_diff`` says how close). Each run's timeline is in
 ``<work dir>/<variant>/timeline.jsonl`` (``megarl report`` draws it).
 
-With ``--tail``, a third run, ``tail``: megarl plus tail batching (megarl/rl/tail.py), with
+With ``--tail``, a third run, ``tail``: megarl plus tail batching (megarl/sched/tail.py), with
 ``tail_rollout_speedup`` and ``tail_step_speedup`` against the baseline. Its steps train other
 prompts than the baseline's (short rounds defer the slowest), so it is not in ``exact_match``;
 its on-policy check is ``logprob_diff_max`` in its metrics.

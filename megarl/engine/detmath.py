@@ -5,7 +5,7 @@ differ in the last bits, so the sampler's noise and top-p weights would differ a
 These functions use only IEEE-754 basic operations, each correctly rounded on every backend
 (``+ - * /``, ``floor``, comparisons, integer ops on the float's bits), in one fixed order, all
 in float32. Each torch op below is one separately rounded kernel; the Triton twins in
-``megarl/spec/verify_triton.py`` must be compiled with ``enable_fp_fusion=False`` (no FMA
+``megarl/engine/verify_triton.py`` must be compiled with ``enable_fp_fusion=False`` (no FMA
 contraction) and use ``tl.math.div_rn`` (Triton's float32 ``/`` is an approximate division).
 Every constant is exactly representable in float32 (hex float in the comment), so torch's
 scalar-to-float32 conversion and Triton's float literals give the same value.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -36,98 +36,16 @@ import torch.distributed as dist
 
 from megarl.engine.kv_cache import KVCache
 from megarl.engine.paged_kv_cache import PagedKVCache
+from megarl.engine.requests import EngineConfig, Request, Result
 from megarl.engine.sampler import SamplingParams, token_stats
+from megarl.engine.speculation import DraftTarget, Speculation
 from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models.llama import CausalLM
-from megarl.spec.verify import verify
+from megarl.engine.verify import verify
 
 # Uncoupled control drafts (``Engine.pregenerate(coupled=False)``) use the noise of a step key
 # that no real step reaches.
 _UNCOUPLED_STEP_BIT = 1 << 31
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-_KV_CACHES = ("slots", "paged")
-
-
-@dataclass
-class EngineConfig:
-    """Shape of the rollout engine."""
-
-    max_batch_size: int = 64
-    """Most requests running at once (= KV-cache slots)."""
-    max_seq_len: int = 2048
-    """Longest prompt + response, in tokens (= KV-cache positions per slot)."""
-    dtype: str = "float32"
-    """Model and cache dtype: one of float32, float64, bfloat16."""
-    device: str = "cpu"
-    """Device of the model and cache: cpu or cuda (cuda:N also accepted)."""
-    kv_cache: str = "slots"
-    """KV-cache layout: ``slots`` (one max_seq_len row per running request, read in place; the
-    fastest on CPU) or ``paged`` (blocks of ``kv_block_size`` positions per request, freed as
-    requests finish; a GRPO group's samples share their prompt's blocks; Triton decode attention on
-    CUDA). Both give the same tokens."""
-    kv_block_size: int = 16
-    """Positions per block of the paged cache (a power of two; >= 16 for the CUDA kernel)."""
-    num_kv_blocks: int = 0
-    """Blocks in the paged cache's pool; 0 = enough for max_batch_size requests of max_seq_len
-    positions (the slot cache's memory). Fewer blocks admit fewer requests at once: a request is
-    admitted only once the pool can hold its longest possible length."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size} is invalid; valid range: >= 1")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} is invalid; valid range: >= 2")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid; valid choices: {sorted(_DTYPES)}")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device={self.device!r} is invalid; valid choices: cpu, cuda")
-        if self.kv_cache not in _KV_CACHES:
-            raise ValueError(f"kv_cache={self.kv_cache!r} is invalid; valid choices: {', '.join(_KV_CACHES)}")
-        if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
-            raise ValueError(f"kv_block_size={self.kv_block_size} is invalid; valid: a power of two")
-        if self.num_kv_blocks < 0:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid; valid range: >= 0 (0 = automatic)")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
-@dataclass
-class Request:
-    """One response to generate."""
-
-    uid: int
-    """Prompt uid (same for every sample of a GRPO group); part of the noise key."""
-    sample_idx: int
-    """Index of this sample within its prompt's group; part of the noise key."""
-    prompt_ids: list[int]
-    """Prompt token ids."""
-    params: SamplingParams = field(default_factory=SamplingParams)
-    """How to sample."""
-
-
-@dataclass
-class Result:
-    """One finished response."""
-
-    uid: int
-    """Prompt uid of the request."""
-    sample_idx: int
-    """Sample index of the request."""
-    prompt_ids: list[int]
-    """Prompt token ids of the request."""
-    tokens: list[int]
-    """Generated token ids (a final stop token included)."""
-    logprobs: list[float]
-    """log p(token) under softmax(logits / T), unfiltered (T=1 for greedy)."""
-    entropies: list[float]
-    """Entropy of softmax(logits / T) at each generated position (T=1 for greedy)."""
-    finish_reason: str
-    """"stop" (a stop token was sampled), "length" (max_new_tokens or max_seq_len) or "aborted"
-    (``generate``'s ``should_stop`` ended it early: bubble work only)."""
-    n_forwards: int
-    """Target forward passes this request took part in, prefill included."""
 
 
 class _Seq:
@@ -174,7 +92,7 @@ class Engine:
     speculative decoding when given a ``Speculator`` (megarl/spec). ``model`` is a ``CausalLM``
     or, in a rollout group with TP > 1, this rank's ``TPCausalLM``."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int, spec=None):
+    def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int, spec: Speculation | None = None):
         self.cfg, self.seed, self.spec = cfg, seed, spec
         self.dtype, self.device = cfg.torch_dtype, torch.device(cfg.device)
         if self.device.type == "cpu":
@@ -200,6 +118,16 @@ class Engine:
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False
         self.reset_stats()
+
+    def draft_target(self) -> DraftTarget:
+        """What a learned drafter needs of this engine's target (megarl/engine/speculation.py)."""
+        m = self.model
+        matmul = sum(p.numel() for p in m.parameters())  # a tied head is counted once, as the embedding
+        if not m.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
+            matmul -= m.model.embed_tokens.weight.numel()
+        return DraftTarget(args=m.args, embed_weight=lambda: m.model.embed_tokens.weight.detach(),
+                           head_weight=lambda: m.lm_head_weight.detach(), matmul_params=matmul, seed=self.seed,
+                           dtype=self.dtype, sample_dtype=self.sample_dtype, device=self.device, tp_size=self.tp_size)
 
     def reset_stats(self) -> None:
         """``forwards``: batched forward calls; ``target_forwards``: forwards summed over requests
@@ -256,9 +184,9 @@ class Engine:
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(seqs), desc=f"rollout step {step}", unit="req")
-        self._hidden_hook = self.spec is not None and getattr(self.spec, "needs_hidden", False)
+        self._hidden_hook = self.spec is not None and self.spec.needs_hidden
         if self._hidden_hook:
-            self.spec.attach(self)
+            self.spec.attach(self.draft_target())
         if self.spec is not None:
             self.spec.begin(requests, step)
         with torch.inference_mode():
@@ -352,7 +280,7 @@ class Engine:
     def run(self, batch: _Batch, step: int) -> _Verified:
         """Device work for one batch: one forward over every row's pending + draft tokens through
         the cache, then the target's own sample at the last pending position and at every draft
-        position, compared with the drafts (megarl.spec.verify)."""
+        position, compared with the drafts (megarl.engine.verify)."""
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         n_new = [len(x) for x in inputs]
         attn, positions = self.cache.batch([s.slot for s in batch.seqs], n_new)

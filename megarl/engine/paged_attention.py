@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megarl.engine.kv_cache import grouped_attention
+from megarl.engine.paged_contract import check_paged_inputs
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -42,26 +43,11 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, n_keys: int,
     return pages.view(b, hkv, n_blk * bs, d)[:, :, :n_keys]
 
 
-def _check(q, k_cache, v_cache, block_tables, q_start, n_q) -> None:
-    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_attention: q must be [B, T, Hq, D] and k_cache/v_cache [num_blocks, Hkv, "
-                         f"block_size, D] of one shape; got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}")
-    b, t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if k_cache.shape[3] != d or hq % hkv:
-        raise ValueError(f"paged_attention: head_dim {d} vs cache {k_cache.shape[3]}, or Hq={hq} not a multiple "
-                         f"of Hkv={hkv}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != b or q_start.shape != (b,) or n_q.shape != (b,):
-        raise ValueError(f"paged_attention: block_tables must be [B={b}, n_blocks], q_start and n_q [B]; got "
-                         f"{tuple(block_tables.shape)}, {tuple(q_start.shape)}, {tuple(n_q.shape)}")
-
-
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, q_start: torch.Tensor, n_q: torch.Tensor) -> torch.Tensor:
     """Reference: gather the rows' blocks, then ``grouped_attention`` (softmax in at least fp32).
     Returns [B, T, Hq, D] in q's dtype."""
-    _check(q, k_cache, v_cache, block_tables, q_start, n_q)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, q_start, n_q)
     b, t = q.shape[:2]
     n_keys = int((q_start + n_q).max())
     tables = block_tables.to(torch.int64)

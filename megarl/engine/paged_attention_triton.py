@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megarl.engine.paged_attention import _check
+from megarl.engine.paged_contract import check_paged_inputs
 
 # Masked score: finite, so fully masked padding rows never produce inf - inf. (Globals used in jit
 # code must be constexpr.)
@@ -89,7 +89,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4) -> torch.Tensor:
     """See ``megarl.engine.paged_attention``. q: [B, T, Hq, D]; caches [num_blocks, Hkv,
     block_size, D] (any dtype of q's); block_tables int [B, >= max blocks]; q_start, n_q [B]."""
-    _check(q, k_cache, v_cache, block_tables, q_start, n_q)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, q_start, n_q)
     b, t, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     if bs & (bs - 1) or (q.is_cuda and bs < 16):

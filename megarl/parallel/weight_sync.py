@@ -64,125 +64,23 @@ blocked in the next collective); then all ranks exchange them, and every rank ra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megarl.engine.tp_model import tp_slice
-# tensor_checksum and weight_checksum are re-exported: tests and tools import them from here.
-from megarl.parallel.checksum import byte_checksum, combine_checksums, tensor_checksum, weight_checksum  # noqa: F401
+from megarl.parallel.checksum import byte_checksum, combine_checksums
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.parallel.buckets import HEADER, Bucket, BucketItem, numel, plan_buckets
 
 DEFAULT_BUCKET_MB = 64.0
 """Default bucket size: large enough that a collective's latency is small against its transfer
 on a cluster, small enough to be a negligible extra next to the model and the KV cache."""
 
-_ALIGN = 16  # piece offsets: any dtype can view its bytes in place
-_HEADER = 4  # trailer header: bucket index, sender's global rank, its tp_rank, its ep_rank
-_EXPERT_MARK = "mlp.experts.local_experts."
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 class WeightSyncError(RuntimeError):
     """Weights were corrupted or lost on their way from the trainer to the engine."""
-
-
-# ---------------------------------------------------------------------- plan
-
-
-@dataclass(frozen=True)
-class BucketItem:
-    """One tensor of a bucket: where its piece sits in every chunk, and the full tensor(s) it is
-    cut from."""
-
-    local: str
-    """Name in the owner stage's GPTModel state dict."""
-    kind: str
-    """TP cut (``mcore_sharding`` table)."""
-    shape: tuple[int, ...]
-    """Piece shape (equal on every TP rank)."""
-    full_shape: tuple[int, ...]
-    """Full tensor shape, vocab padding stripped."""
-    names: tuple[str, ...]
-    """Full Megatron name per EP rank (expert buckets) or the one name (dense buckets)."""
-    offset: int
-    """Byte offset of the piece in a chunk."""
-    nbytes: int
-    """Bytes of the piece."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Tensors moved together: one flat buffer (chunk) per rank, one collective per hop."""
-
-    index: int
-    """Position in the sync order (error messages name it)."""
-    stage: int
-    """Pipeline stage that owns the tensors."""
-    expert: bool
-    """MoE expert tensors (gathered over the EP group) rather than dense ones."""
-    items: tuple[BucketItem, ...]
-    """The tensors, in chunk order."""
-    payload: int
-    """Bytes of the pieces in a chunk (aligned); the trailer follows."""
-    chunk: int
-    """Bytes of one rank's chunk: payload and trailer (int64 header + 3 per piece), aligned."""
-    gathered: int
-    """Bytes of the buffer after every hop: ``chunk`` times tp (times ep for experts)."""
-
-
-def plan_buckets(args: ModelArgs, tp: int, pp: int, ep: int, dtype: torch.dtype,
-                 bucket_bytes: int) -> list[Bucket]:
-    """The sync's buckets (see the module docstring): stage by stage, dense tensors then experts,
-    greedily filled while the gathered buffer stays within ``bucket_bytes``. Pure arithmetic,
-    the same on every rank."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    buckets: list[Bucket] = []
-
-    def emit(stage: int, expert: bool, items: list[tuple]) -> None:
-        chunks = tp * (ep if expert else 1)
-        current: list[BucketItem] = []
-        offset = 0
-
-        def sizes(n_items: int, payload: int) -> tuple[int, int]:
-            chunk = payload + _align(8 * (_HEADER + 3 * n_items))
-            return chunk, chunk * chunks
-
-        def close() -> None:
-            nonlocal current, offset
-            if current:
-                chunk, gathered = sizes(len(current), offset)
-                buckets.append(Bucket(len(buckets), stage, expert, tuple(current), offset, chunk, gathered))
-            current, offset = [], 0
-
-        for local, lt, names in items:
-            nbytes = esize * _numel(lt.shape)
-            if current and sizes(len(current) + 1, offset + _align(nbytes))[1] > bucket_bytes:
-                close()
-            current.append(BucketItem(local, lt.kind, lt.shape, lt.full_shape, names, offset, nbytes))
-            offset += _align(nbytes)
-        close()
-
-    for stage in range(pp):
-        plans = [mcore_sharding.local_plan(args, tp, pp, stage, ep=ep, ep_rank=e) for e in range(ep)]
-        dense = [(k, lt, (lt.name,)) for k, lt in plans[0].items() if _EXPERT_MARK not in k and not lt.tied_copy]
-        experts = [(k, lt, tuple(p[k].name for p in plans)) for k, lt in plans[0].items() if _EXPERT_MARK in k]
-        emit(stage, False, dense)
-        emit(stage, True, experts)
-    return buckets
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---------------------------------------------------------------------- one sync's bookkeeping
@@ -225,7 +123,7 @@ class _Record:
         me = f"rank {self.rank}"
         for r in self.transport:
             got, trailer, want = next(it).tolist(), next(it).tolist(), r.want
-            head, sent = trailer[:_HEADER], trailer[_HEADER:]
+            head, sent = trailer[:HEADER], trailer[HEADER:]
             where = (f"{me}: bucket {r.bucket}, {r.hop} hop, chunk {r.chunk} (sent by rank {head[1]}, "
                      f"tp_rank {head[2]}, ep_rank {head[3]})")
             if [head[0], head[2], head[3] if want[2] is not None else None] != list(want):
@@ -305,7 +203,7 @@ class WeightSync:
         self.hf_names = mcore_mapping.mcore_to_hf_names(self.args)
         esize = torch.empty((), dtype=self.dtype).element_size()
         # bytes of the full tensors a sync delivers: the whole model, once (weight_sync_bytes)
-        self.total_bytes = sum(esize * _numel(it.full_shape) * len(it.names) for b in self.buckets for it in b.items)
+        self.total_bytes = sum(esize * numel(it.full_shape) * len(it.names) for b in self.buckets for it in b.items)
         self.receive_hook = None
         # Tied embeddings with PP > 1: the last stage's output layer is a copy of stage 0's
         # embedding (mcore_sharding), checked against the embedding piece it receives.
@@ -394,7 +292,7 @@ class WeightSync:
 
     def _trailer(self, buf: torch.Tensor, chunk: int, b: Bucket) -> torch.Tensor:
         start = chunk * b.chunk + b.payload
-        return buf[start:start + 8 * (_HEADER + 3 * len(b.items))].view(torch.int64)
+        return buf[start:start + 8 * (HEADER + 3 * len(b.items))].view(torch.int64)
 
     def _pack(self, b: Bucket, local: dict[str, torch.Tensor]) -> torch.Tensor:
         """(``local``: this rank's piece of stage ``b.stage``.)"""
@@ -407,8 +305,8 @@ class WeightSync:
             view.copy_(local[it.local])
             sums.append(byte_checksum(view))
         trailer = self._trailer(buf, 0, b)
-        trailer[:_HEADER] = torch.tensor([b.index, d.rank, d.tp_rank, d.ep_rank], dtype=torch.int64)
-        trailer[_HEADER:] = torch.stack(sums).reshape(-1)
+        trailer[:HEADER] = torch.tensor([b.index, d.rank, d.tp_rank, d.ep_rank], dtype=torch.int64)
+        trailer[HEADER:] = torch.stack(sums).reshape(-1)
         return buf
 
     def _transport(self, b: Bucket, local: dict[int, dict[str, torch.Tensor]], rec: _Record):
@@ -428,7 +326,7 @@ class WeightSync:
                 self._received(b, "pp", buf, [0], lambda c: (d.tp_rank, d.ep_rank), rec)
                 if self._tied is not None and self._tied[0] == b.index:
                     i = self._tied[1]
-                    rows = torch.stack([self._trailer(buf, 0, b)[_HEADER + 3 * i:_HEADER + 3 * i + 3],
+                    rows = torch.stack([self._trailer(buf, 0, b)[HEADER + 3 * i:HEADER + 3 * i + 3],
                                         byte_checksum(local[d.stages - 1]["output_layer.weight"])])
                     rec.same.append((f"bucket {b.index}: tied embeddings: the last stage's copy "
                                      f"(output_layer.weight, tp_rank {d.tp_rank}) differs from stage 0's "
@@ -492,7 +390,7 @@ class WeightSync:
             for i, it in enumerate(b.items):
                 pieces = [chunks[e * tp + t][i] for t in range(tp)]
                 if it.kind == "replicated" and tp > 1 and e == 0:
-                    rows = torch.stack([self._trailer(buf, c, b)[_HEADER + 3 * i:_HEADER + 3 * i + 3]
+                    rows = torch.stack([self._trailer(buf, c, b)[HEADER + 3 * i:HEADER + 3 * i + 3]
                                         for c in range(tp)])
                     rec.same.append((f"bucket {b.index}: replicated tensor {it.names[0]} differs between trainer "
                                      f"TP ranks", rows))

@@ -9,8 +9,31 @@ convention, so they too are summed over micro-batches.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import torch
 from torch import Tensor
+
+from megarl.rl.batching import make_batch
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO objective (the ``grpo`` section)."""
+
+    clip_eps_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO clip above: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference (the post-SFT policy); 0 turns it off (no ref forward)."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's std."""
+    drop_zero_variance: bool = False
+    """DAPO's dynamic sampling, filter half: groups whose G rewards are all equal carry no
+    advantage signal and are not trained (counted as ``zero_var_dropped``); the loss is
+    normalised by the tokens of the groups trained. A step left with none takes no update."""
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
@@ -120,3 +143,56 @@ def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_tokens: float | Tensor) ->
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and loss_mask {tuple(loss_mask.shape)} must match")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return -torch.where(loss_mask.bool(), logprobs, zero).sum() / num_tokens
+
+
+# ------------------------------------------------------------------------- a step's batch and loss
+# One builder for both ways a step is trained (megarl/stages/update.py after the rollout,
+# megarl/stream_train/stream.py group by group while it runs): the same rows, advantages and loss.
+
+def has_signal(group) -> bool:
+    """A group whose rewards are not all equal (its advantages are not all zero)."""
+    return len(set(group.rewards)) > 1
+
+
+def trained_groups(groups: Sequence, drop_zero_variance: bool) -> list:
+    """The groups a step trains: all, or (``grpo.drop_zero_variance``) those with a signal."""
+    return [g for g in groups if has_signal(g)] if drop_zero_variance else list(groups)
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """What a step's update needs beyond the trainer: the objective, the group size, the
+    temperature the rollout sampled at (the trainer's logprobs are at it) and the padding id."""
+
+    grpo: GRPOConfig
+    group_size: int
+    temperature: float
+    pad_id: int
+
+    @classmethod
+    def of(cls, cfg, pad_id: int) -> "UpdateSpec":
+        """From a run config (``grpo``, ``rollout.group_size``, ``rollout.temperature``)."""
+        return cls(cfg.grpo, cfg.rollout.group_size, cfg.rollout.temperature, pad_id)
+
+
+def grpo_batch(groups: Sequence, group_size: int, pad_id: int, normalize_std: bool) -> dict[str, Tensor]:
+    """``input_ids``, ``loss_mask`` (megarl/rl/batching.py) and per-row ``advantages`` of
+    ``groups`` (objects with ``results``, each with ``prompt_ids`` and ``tokens``, and
+    ``rewards``): the prompt/response boundary is the engine's, in token space."""
+    results = [r for g in groups for r in g.results]
+    rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
+    batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], pad_id)
+    batch["advantages"] = group_advantages(rewards, group_size, normalize_std=normalize_std)
+    return batch
+
+
+def grpo_loss_fn(c: GRPOConfig, num_tokens: float, old: str | None = "old_logprobs") -> Callable:
+    """The trainer's ``loss_fn(logprobs, micro_batch)``: :func:`grpo_loss` normalised by
+    ``num_tokens``, with the old policy's logprobs from the micro-batch's ``old`` entry, or
+    (``old=None``: one optimizer step per RL step, old policy = current) this forward's, detached."""
+    def loss_fn(logprobs: Tensor, mb: dict):
+        old_lp = mb[old] if old is not None else logprobs.detach()
+        return grpo_loss(logprobs, old_lp, mb["advantages"], mb["loss_mask"], num_tokens, clip_eps_low=c.clip_eps_low,
+                         clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef, ref_logprobs=mb.get("ref_logprobs"))
+
+    return loss_fn

@@ -32,7 +32,7 @@ H100 arithmetic (Qwen2.5-7B, bf16; the numbers :func:`h100` uses)::
       passes x (14.1 GFLOP + 2 x 28 x 3584 x s FLOP) / (989 TFLOP/s x 0.35 MFU)
       passes = 5 forward-equivalents for the plain step (old-logprob forward 1, forward +
       backward 3, activation recompute 1); 4 for stream training, whose old logprobs are the
-      training forward's own (megarl/rl/update.py). At s = 1.5k: 5 x 14.4 GFLOP / 346 TFLOP/s
+      training forward's own (megarl/stages/update.py). At s = 1.5k: 5 x 14.4 GFLOP / 346 TFLOP/s
       = 0.21 ms per token, ~4.8k tokens/s per GPU.
     gradient all-reduce: 2 x 15.2 GB x (dp-1)/dp over 40 GB/s per GPU (400 Gb/s InfiniBand):
       0.76 s; optimizer (distributed Adam, 16 B/param / dp over HBM): negligible past dp 8.

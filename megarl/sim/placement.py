@@ -1,6 +1,6 @@
 """Placement of a step's prompts on rollout replicas: round robin (veRL) or length-aware LPT.
 
-LPT (longest predicted first onto the least-loaded replica) is megarl/rl/placement.py's rule; the
+LPT (longest predicted first onto the least-loaded replica) is megarl/sched/placement.py's rule; the
 prediction is noisy here: a prompt's expected length times ``exp(N(0, sigma))`` for prompts with
 history, the mean of those for the others (what megarl's LengthHistory does). A group stays on
 one replica. Ties break by position, so placement is a pure function of its inputs.

@@ -7,7 +7,7 @@ process count with the ``cpu`` profile, from what the run really generated:
 - the response lengths of each step, by prompt uid, and the prompt lengths (the task's prompts
   tokenized as the run did; a constant if the task cannot be rebuilt);
 - placement: round robin, or LPT on the run's own length history (last group mean per uid,
-  megarl/rl/placement.py's LengthHistory);
+  megarl/sched/placement.py's LengthHistory);
 - speculation: each response's measured tokens per target forward (``rollouts.jsonl``'s
   ``forwards``; older dumps: the step's ``rollout_tokens / target_forwards`` for all) and the
   step's draft rows per forward (rank 0's ``drafted_tokens`` over its share of the target
@@ -18,7 +18,7 @@ process count with the ``cpu`` profile, from what the run really generated:
   priority, or pre-generation after the rollout phase when it is not bubble work), stream
   training and tail batching as the config has them. Tail batching: each
   round's started prompts, in the order the run admitted them, are rebuilt with the run's own
-  ``PromptSchedule`` (megarl/rl/tail.py) fed the prompts each step completed; a short round's
+  ``PromptSchedule`` (megarl/sched/prompts.py) fed the prompts each step completed; a short round's
   deferred prompts hold batch rows from the start of the round until its stop: their samples are
   replayed as ``rollouts.jsonl``'s ``deferred`` entries left them (a finished sample with its
   length, one still running at the stop with the length cap: it must not finish before the stop,
@@ -62,7 +62,7 @@ def _prompt_lengths(run_dir: Path) -> dict[int, int] | None:
 
 
 def pregen_where(cfg: dict, nproc: int) -> str | None:
-    """Where a run's config makes bubble drafts (megarl/train.py ``_Schedule``): ``"bubble"`` (in the
+    """Where a run's config makes bubble drafts (megarl/sched/policy.py ``BubblePolicy``): ``"bubble"`` (in the
     replicas' idle time), ``"after"`` (after the rollout phase: one replica, or ``pregen`` not in
     ``schedule.bubble_work``), or None (none made)."""
     if not (cfg["spec"].get("enabled") and cfg["spec"].get("bubble_pregen")):
@@ -90,10 +90,11 @@ def _tail_rounds(run_dir: Path, steps: list[tuple], metrics: dict[int, dict], n_
     """Tail batching's rounds as the run played them: step -> (started prompts in admission
     order, long round?), from the run's config and the prompts each step completed."""
     from megarl.config import load_config
-    from megarl.rl.tail import PromptSchedule
+    from megarl.sched.prompts import PromptSchedule
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
-    sched = PromptSchedule(cfg, n_prompts or cfg.task.num_prompts)
+    sched = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail,
+                           n_prompts or cfg.task.num_prompts)
     out = {}
     for step, uids, _ in steps:
         rnd = sched.round(step - 1)

@@ -4,7 +4,7 @@ Every combination runs the same steps' length draws (common random numbers: step
 ``(seed, i)``), so the speedups compare like with like. The first step only warms up what a step
 leaves the next (bubble drafts, drafter freshness) and is not averaged. Tail batching runs
 short rounds of ``ceil(eta * P)`` fresh prompts that stop at P complete ones, and a long round
-over the deferred prompts whenever P are queued (megarl/rl/tail.py); it is simulated over at
+over the deferred prompts whenever P are queued (megarl/sched/tail.py); it is simulated over at
 least one whole cycle of short rounds and a long round.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ processor-sharing system, and the simulator must be one too to predict them:
   slowdown of ``n`` processes computing side by side (shared caches and memory bandwidth, and
   past ``cores`` what each context switch costs on top of the split; ``benchmarks/calibrate_sim.py``
   measures it, for decoding and for training apart).
-- Bubble work runs at the OS's idle priority (megarl/rl/bubble.py: SCHED_IDLE, nice 19): it gets
+- Bubble work runs at the OS's idle priority (megarl/sched/bubble.py: SCHED_IDLE, nice 19): it gets
   only the cores the normal-priority processes leave free; while it runs on them, it competes
   with the normal processes for caches and memory bandwidth like any process computing beside
   them (``slowdown`` of all the busy cores), and while it is pending at all, the generating

@@ -20,7 +20,7 @@ The step of megarl/train.py, as events on every rank:
 Figures: ``step_time_s``; ``rollout_share`` = rollout phase / step; ``tail_share`` = time the
 last 10% of the step's responses took to finish, over the rollout phase (90% of the responses
 are done at t90; (last finish - t90) / rollout phase); ``bubble_frac`` = idle rank-seconds over
-rank-seconds of the rollout phase (megarl/rl/timeline.py's definition: bubble work counts as
+rank-seconds of the rollout phase (megarl/sched/timeline.py's definition: bubble work counts as
 busy while it has work to do).
 """
 from __future__ import annotations
@@ -188,7 +188,7 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     train = run_phase(left, np.zeros(R), profile, work="train").barrier
     if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
         # The replicas exchange without waiting for the stream-training unit in flight; training
-        # waits for it (megarl/rl/rollout.py wait_bubble): half a group's forward/backward on average.
+        # waits for it (megarl/stages/rollout.py wait_bubble): half a group's forward/backward on average.
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
         train += 0.5 * unit / (profile.speed(R, "train") if profile.cores is not None else 1.0)
     all_speed = profile.speed(R, "train") if profile.cores is not None else 1.0
@@ -208,7 +208,7 @@ def _pregen_cover(lens: np.ndarray, prompt: np.ndarray, budget: np.ndarray, prof
     """Bubble-draft prefix (tokens per request) of each replica share of the next step, from
     each replica's pre-generation seconds. Replica r pre-generates share r (no speculation; this
     step's share r stands in for the next one's lengths, same distribution) and, once that is
-    complete, share r + 1 with what is left (megarl/rl/rollout.py goes on cyclically; one hop
+    complete, share r + 1 with what is left (megarl/stages/rollout.py goes on cyclically; one hop
     is modelled)."""
     R = lens.shape[0]
     first = run_rollout(lens, prompt, profile, group=knobs.group, max_batch=knobs.max_batch, budget=budget,

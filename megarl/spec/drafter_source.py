@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from megarl.engine.speculation import DraftTarget
 from megarl.spec.config import SpecConfig
 from megarl.spec.drafter import Drafter, load_drafter
 from megarl.spec.drafter_train import DrafterTrainer, HiddenBuffer
@@ -30,28 +31,29 @@ class DrafterSource:
         self.cfg = cfg.drafter
         self.model: Drafter | None = None
         self.trainer: DrafterTrainer | None = None
-        self.engine = None
+        self.target: DraftTarget | None = None
         self.buffer = HiddenBuffer(self.cfg.buffer_tokens)
         self._rows: dict[tuple[int, int], int] = {}
         self._row_cost: float | None = None
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, engine) -> None:
-        """Bind to the engine whose target it drafts for (its embedding, LM head, seed, dtype,
-        device). The drafter is built (or loaded from ``init_from``) on the first attach."""
-        if engine.tp_size > 1:
+    def attach(self, target: DraftTarget) -> None:
+        """Bind to the target it drafts for (its embedding, LM head, seed, dtype, device: the
+        engine's ``draft_target()``). The drafter is built (or loaded from ``init_from``) on the
+        first attach."""
+        if target.tp_size > 1:
             raise ValueError("spec.drafter.enabled with rollout TP > 1 is not supported yet "
                              "(the drafter reads the full embedding and LM head); use parallel.rollout_tp=1")
-        self.engine = engine
+        self.target = target
         if self.model is None:
             c = self.cfg
             if c.init_from:
-                model = load_drafter(c.init_from, engine.model.args, engine.dtype)
+                model = load_drafter(c.init_from, target.args, target.dtype)
             else:
                 with torch.random.fork_rng(devices=[]):  # a fixed init that leaves the global RNG alone
                     torch.manual_seed(c.seed)
-                    model = Drafter(engine.model.args, c.window)
-            self.model = model.to(device=engine.device, dtype=engine.dtype)
+                    model = Drafter(target.args, c.window)
+            self.model = model.to(device=target.device, dtype=target.dtype)
             self.trainer = DrafterTrainer(self.model, self.embed_weight, self.head_weight, c, self.buffer)
 
     @property
@@ -60,24 +62,20 @@ class DrafterSource:
         token (matmul work; attention over the context is left out): the drafter's own layers
         plus the shared LM head, against the target's layers plus its LM head."""
         if self._row_cost is None:
-            tm = self.engine.model
-            target = sum(p.numel() for p in tm.parameters())  # a tied head is counted once, as the embedding
-            if not tm.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
-                target -= tm.model.embed_tokens.weight.numel()
             own = sum(p.numel() for p in self.model.parameters())
-            self._row_cost = (own + self.head_weight().numel()) / target
+            self._row_cost = (own + self.head_weight().numel()) / self.target.matmul_params
         return self._row_cost
 
     def embed_weight(self) -> torch.Tensor:
-        return self.engine.model.model.embed_tokens.weight.detach()
+        return self.target.embed_weight()
 
     def head_weight(self) -> torch.Tensor:
-        return self.engine.model.lm_head_weight.detach()
+        return self.target.head_weight()
 
     # ------------------------------------------------------------------ one generate call
     def begin(self, requests, step: int) -> None:
-        e, w = self.engine, self.model.window
-        n, h = len(requests), e.model.args.hidden_size
+        e, w = self.target, self.model.window
+        n, h = len(requests), e.args.hidden_size
         self.step = step
         self._rows = {(r.uid, r.sample_idx): i for i, r in enumerate(requests)}
         self._plen = [len(r.prompt_ids) for r in requests]
@@ -132,7 +130,7 @@ class DrafterSource:
     def draft(self, reqs, tokens: list[list[int]], k: int) -> list[list[int]]:
         """``k`` draft tokens for each request (its response so far: ``tokens``), sampled with
         the request's own noise at their positions."""
-        e, w = self.engine, self.model.window
+        e, w = self.target, self.model.window
         dev = e.device
         rows = torch.tensor([self._rows[(r.uid, r.sample_idx)] for r in reqs], dtype=torch.int64, device=dev)
         seq_len = torch.tensor([len(r.prompt_ids) + len(t) for r, t in zip(reqs, tokens)], dtype=torch.int64,

@@ -63,7 +63,7 @@ def drafter_files(spec, replica: int) -> dict[str, dict[str, Any]]:
 def load_drafter_state(spec, engine, state: dict[str, Any]) -> None:
     """Put a saved state into ``spec``'s drafter (built now, for ``engine``, if it is not yet)."""
     src = spec.drafter
-    src.attach(engine)
+    src.attach(engine.draft_target())
     src.trainer.load_state_dict(state["trainer"])
     src.buffer.load_state_dict(state["buffer"], device=engine.device, dtype=engine.dtype)
     if spec.bandit is not None:

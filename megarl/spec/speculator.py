@@ -164,14 +164,38 @@ class Speculator:
         """Whether the engine must hand over the target's hidden states (a drafter is configured)."""
         return self.drafter is not None
 
-    def attach(self, engine) -> None:
-        self.drafter.attach(engine)
+    def attach(self, target) -> None:
+        """The drafter learns what it drafts for (a ``DraftTarget``: megarl/engine/speculation.py)."""
+        self.drafter.attach(target)
 
     def on_prefill(self, groups, hidden) -> None:
         self.drafter.on_prefill(groups, hidden)
 
     def on_verify(self, reqs, hidden, tokens, n_rows, n_accept, n_before) -> None:
         self.drafter.on_verify(reqs, hidden, tokens, n_rows, n_accept, n_before)
+
+    # The run loop's view of the drafter (megarl/sched/policy.py): training it in bubbles or after
+    # the rollout, and keeping its weights the same on every rollout replica.
+    @property
+    def drafter_ready(self) -> bool:
+        """A drafter exists and is built (it is, from the engine's first generate call on)."""
+        return self.drafter is not None and self.drafter.trainer is not None
+
+    def train_drafter(self, should_stop=None, max_steps: int = 0) -> None:
+        """Drafter training steps until ``should_stop()`` or ``max_steps`` (DrafterTrainer.train)."""
+        self.drafter.trainer.train(should_stop, max_steps=max_steps)
+
+    def average_drafter(self, group) -> None:
+        """The drafter's weights made identical over the rollout data-parallel ``group``."""
+        from megarl.spec.drafter_train import average_drafter
+
+        average_drafter(self.drafter.model, group)
+
+    def drafter_figures(self) -> dict[str, float]:
+        """Training steps taken so far, the last loss, the hidden states in the training buffer."""
+        t = self.drafter.trainer
+        return {"drafter_train_steps": t.steps, "drafter_loss": t.last_loss or 0.0,
+                "drafter_buffer_tokens": self.drafter.buffer.tokens}
 
     def step_end(self) -> None:
         """After the engine's postprocess: the step's reward for the bandit (tokens per second

@@ -84,3 +84,12 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, t
                          f"{tuple(local_logits.shape)} without the vocab dim")
     return _VocabParallelLogprob.apply(local_logits, targets, tp_group, tp_rank * local_logits.shape[-1],
                                        vocab_size, float(temperature) if temperature != 0.0 else 1.0)
+
+
+def ref_token_logprobs(ref, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of token t+1 at t under the (plain-torch, whole-vocabulary) reference model at
+    ``temperature``, as the trainer's are, so the KL term compares the same distributions:
+    [B, T-1], fp32."""
+    with torch.no_grad():
+        logits = ref(input_ids).float()
+        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], None, logits.shape[-1], temperature)

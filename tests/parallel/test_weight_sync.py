@@ -12,7 +12,7 @@ from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.checksum import MODULUS, byte_checksum, weight_checksum
-from megarl.parallel.weight_sync import plan_buckets
+from megarl.parallel.buckets import plan_buckets
 from tests.stream_train.conftest import tiny_args
 from tests.stream_train.launch import torchrun
 

@@ -42,7 +42,8 @@ from megarl.models.llama import CausalLM
 from megarl.parallel import weight_sync
 from megarl.parallel.dist import init_parallel, teardown
 from megarl.parallel.layout import Layout, ParallelConfig, create_rollout_groups
-from megarl.parallel.weight_sync import WeightSync, WeightSyncError, weight_checksum
+from megarl.parallel.checksum import weight_checksum
+from megarl.parallel.weight_sync import WeightSync, WeightSyncError
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 
 WORLD = 4

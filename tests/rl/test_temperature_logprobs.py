@@ -12,9 +12,12 @@ import torch
 from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig, filter_logits
 from megarl.parallel.dist import ParallelDims
-from megarl.rl import sft, update
-from megarl.rl.rollout import RolloutStage
-from megarl.rl.update import StreamUpdate, grpo_update
+from megarl.rl import grpo as grpo_mod
+from megarl.stages import sft
+from megarl.stages.rollout import RolloutStage
+from megarl.rl.grpo import UpdateSpec
+from megarl.stages.update import grpo_update
+from megarl.stream_train.stream import StreamUpdate
 from megarl.setup_run import prepare_inputs
 from megarl.stream_train import trainer as trainer_mod
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
@@ -96,13 +99,13 @@ def _setup(dims, temperature, dtype="float32", top_k=0, top_p=1.0, n=4):
 def _capture_loss_inputs(monkeypatch):
     """Record what the GRPO loss sees in every micro-batch: the new logprobs and the batch."""
     seen = []
-    real = update.grpo_loss
+    real = grpo_mod.grpo_loss
 
     def spy(logprobs, *args, **kw):
         seen.append((logprobs.detach(), kw.get("ref_logprobs")))
         return real(logprobs, *args, **kw)
 
-    monkeypatch.setattr(update, "grpo_loss", spy)
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy)
     return seen
 
 
@@ -145,7 +148,7 @@ def test_on_policy_check_holds_at_temperature(dims, monkeypatch, temperature, dt
     the loss sees (train_step) and the reference's (KL) are the engine's too."""
     cfg, inputs, trainer, ref, groups = _setup(dims, temperature, dtype)
     seen, mbs = _capture_loss_inputs(monkeypatch), _record_batches(monkeypatch, trainer)
-    out = grpo_update(trainer, groups, cfg, inputs, ref=ref)
+    out = grpo_update(trainer, groups, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref=ref)
     assert out["logprob_diff_max"] < TOL[dtype]
     assert _max_diff_to_engine([lp for lp, _ in seen], mbs, groups) < TOL[dtype]
     assert _max_diff_to_engine([r for _, r in seen], mbs, groups) < 1e-5  # the reference's: fp32
@@ -159,7 +162,7 @@ def test_on_policy_check_catches_a_trainer_that_ignores_temperature(dims, monkey
     real = trainer_mod.vocab_parallel_logprobs
     monkeypatch.setattr(trainer_mod, "vocab_parallel_logprobs",
                         lambda logits, targets, group, vocab, temperature=1.0: real(logits, targets, group, vocab))
-    d = grpo_update(trainer, groups, cfg, inputs, ref=ref)["logprob_diff_max"]
+    d = grpo_update(trainer, groups, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref=ref)["logprob_diff_max"]
     assert d > 0.05
 
 
@@ -168,7 +171,7 @@ def test_stream_update_scores_at_temperature(dims, monkeypatch):
     reference as well."""
     cfg, inputs, trainer, ref, groups = _setup(dims, 0.7)
     seen, mbs = _capture_loss_inputs(monkeypatch), _record_batches(monkeypatch, trainer)
-    stream = StreamUpdate(trainer, cfg, inputs, ref=ref)
+    stream = StreamUpdate(trainer, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref=ref)
     stream.begin()
     for g in groups:
         stream.add_group(g)
@@ -184,7 +187,7 @@ def test_top_k_top_p_logprobs_are_of_the_unfiltered_distribution(dims, monkeypat
     they differ from the renormalised filtered distribution's logprobs (the filters did cut)."""
     temperature, k, p = 0.7, 8, 0.9
     cfg, inputs, trainer, ref, groups = _setup(dims, temperature, top_k=k, top_p=p)
-    out = grpo_update(trainer, groups, cfg, inputs, ref=ref)
+    out = grpo_update(trainer, groups, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref=ref)
     assert out["logprob_diff_max"] < 1e-5
     filtered_gap = 0.0
     for r in (r for g in groups for r in g.results):

@@ -263,13 +263,13 @@ def test_replay_rebuilds_tail_rounds_in_admission_order(tmp_path):
     the run's order) from the config and the prompts each step completed; a run that does not
     replay (its metrics say another round kind) is refused."""
     from megarl.config import dump_config, load_config
-    from megarl.rl.tail import PromptSchedule
+    from megarl.sched.prompts import PromptSchedule
     from megarl.sim.replay import _tail_rounds
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=4", "tail.enabled=true",
                              "tail.overprovision=2.0", "rl_steps=6"])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    sched, want, steps, metrics = PromptSchedule(cfg, 16), {}, [], {}
+    sched, want, steps, metrics = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, 16), {}, [], {}
     for step in range(1, 7):
         rnd = sched.round(step - 1)
         done = list(rnd.uids) if rnd.long else list(rnd.uids)[1::2][:4]  # a short round keeps 4, defers 4
@@ -290,14 +290,14 @@ def test_replay_runs_deferred_prompts_as_the_stop_left_them(tmp_path):
     the stop never finish first), the round lasts until the kept prompt with the 50-token sample
     is done; the fallback (the lengths a later long round regenerated, here 5) ends it early."""
     from megarl.config import dump_config, load_config
-    from megarl.rl.tail import PromptSchedule
+    from megarl.sched.prompts import PromptSchedule
     from megarl.sim.replay import replay_run
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=2", "rollout.group_size=2",
                              "tail.enabled=true", "tail.overprovision=2.0", "rl_steps=2",
                              "rollout.max_new_tokens=200", "stream_train=false"])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    sched = PromptSchedule(cfg, 16)
+    sched = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, 16)
     short = sched.round(0)  # 4 prompts started, the first 2 complete kept
     kept, deferred = short.uids[:2], short.uids[2:]
     sched.commit(short, kept)

@@ -4,7 +4,7 @@ tests/parallel_run_worker.py's ``run`` (its tiny fp64 runs, its ``resume_at`` st
 argv = (out_dir, run, [run ...]), each run ``name=key=value,...`` as in parallel_run_worker.py.
 Besides what a run writes, every process appends one line per RL step to
 ``out_dir/<name>/drafter_rank<r>.jsonl``, taken right after the step's drafter training and
-averaging (``_Schedule.drafter_after_rollout``): a digest of the drafter's weights (their exact
+averaging (``BubblePolicy.drafter_after_rollout``, megarl/sched/policy.py): a digest of the drafter's weights (their exact
 bytes) and of the fresh init's, its training-step count, and its loss on a fixed batch (the first batch this process drew,
 kept for the whole run) with the current weights and with the fresh init's.
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
 
 import megarl.spec.speculator as speculator_module
-import megarl.train as train_module
+import megarl.sched.policy as policy_module
 import tests.parallel_run_worker as run_worker
 from megarl.spec.drafter import Drafter
 
@@ -44,7 +44,7 @@ class _TickClock:
 
 
 _current: dict = {}  # the run in progress: its directory, the fixed batch and the init's drafter
-_after_rollout = train_module._Schedule.drafter_after_rollout
+_after_rollout = policy_module.BubblePolicy.drafter_after_rollout
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -52,19 +52,20 @@ def _digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def _recorded_after_rollout(self, engine, tl, groups_dp) -> dict:
-    out = _after_rollout(self, engine, tl, groups_dp)
-    src = engine.spec.drafter if engine.spec is not None else None
+def _recorded_after_rollout(self, spec, tl, groups_dp) -> dict:
+    out = _after_rollout(self, spec, tl, groups_dp)
+    src = spec.drafter if spec is not None else None
     if src is None or src.trainer is None:  # no drafter in this run
         return out
+    target = src.target
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = src.trainer
     if "batch" not in _current:  # drawn from (seed, step count): drawing it changes nothing in the run
         _current["batch"] = trainer.batch()
         with torch.random.fork_rng(devices=[]):  # the init DrafterSource.attach makes
             torch.manual_seed(src.cfg.seed)
-            init = Drafter(engine.model.args, src.cfg.window)
-        _current["init"] = init.to(device=engine.device, dtype=engine.dtype).eval()
+            init = Drafter(target.args, src.cfg.window)
+        _current["init"] = init.to(device=target.device, dtype=target.dtype).eval()
     with torch.no_grad():
         loss_now = float(trainer.loss(_current["batch"])[0])
         model, trainer.model = trainer.model, _current["init"]
@@ -81,7 +82,7 @@ def _recorded_after_rollout(self, engine, tl, groups_dp) -> dict:
 
 def _main(out_dir: str, *specs: str) -> None:
     speculator_module.time = _TickClock()
-    train_module._Schedule.drafter_after_rollout = _recorded_after_rollout
+    policy_module.BubblePolicy.drafter_after_rollout = _recorded_after_rollout
     run = run_worker.run
 
     def run_recorded(out: Path, spec: str) -> None:

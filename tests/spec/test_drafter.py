@@ -11,7 +11,7 @@ import torch
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
-from megarl.rl.bubble import ScheduleConfig, run_bubble_work
+from megarl.sched.bubble import ScheduleConfig, run_bubble_work
 from megarl.spec.bandit import ARMS, StrategyBandit, bucket_of
 from megarl.spec.config import DrafterConfig, SpecConfig
 from megarl.spec.drafter import load_drafter, save_drafter
@@ -175,7 +175,7 @@ def test_chain_cost_rule_drafts_for_small_batches_only():
     well-accepted drafter drafts at batch 1 and is off at batch 64."""
     def spec_for(tied):
         eng = _drafter_engine(CausalLM(ModelArgs(**{**ARGS, "tie_word_embeddings": tied})), cost=80.0)
-        eng.spec.attach(eng)
+        eng.spec.attach(eng.draft_target())
         return eng.spec
 
     tied, untied = spec_for(True), spec_for(False)

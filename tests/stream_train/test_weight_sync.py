@@ -9,7 +9,8 @@ from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.init_weights import init_hf_state
 from megarl.models.llama import CausalLM
 from megarl.parallel import weight_sync
-from megarl.parallel.weight_sync import WeightSync, WeightSyncError, sync_weights, tensor_checksum, weight_checksum
+from megarl.parallel.checksum import tensor_checksum, weight_checksum
+from megarl.parallel.weight_sync import WeightSync, WeightSyncError, sync_weights
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 from tests.parallel.weight_sync_worker import BUCKET_MB, DENSE, MOE, SEED, case_args
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megarl.engine import Engine, EngineConfig
-from megarl.rl.bubble import ScheduleConfig, lower_thread_priority, run_bubble_work
-from megarl.rl.timeline import StepTimeline, bubble_fraction, replica_sum
+from megarl.sched.bubble import ScheduleConfig, lower_thread_priority, run_bubble_work
+from megarl.sched.timeline import StepTimeline, bubble_fraction, replica_sum
 from megarl.spec.config import SpecConfig
 from megarl.spec.speculator import Speculator
 from tests.engine.test_engine import engine, key, mixed_requests
@@ -95,7 +95,7 @@ def test_bubble_fraction_counts_idle_and_gaps_in_the_rollout_phase_only():
 
 
 def test_records_are_put_on_one_clock():
-    from megarl.rl.timeline import align
+    from megarl.sched.timeline import align
 
     a = {**_record(0, 0, [("generate", 0, 2)], 2.5), "t0_wall": 100.0}
     b = {**_record(1, 1, [("generate", 0, 1)], 2.0), "t0_wall": 100.5}
@@ -169,7 +169,7 @@ def test_lower_thread_priority_only_touches_the_calling_thread():
 def test_autogroup_nice_is_lowered_for_the_bubble_and_restored():
     """torchrun puts each worker in its own session, hence its own autogroup, where thread
     policies do not count against the other processes: the group's nice value does."""
-    from megarl.rl.bubble import AutogroupNice
+    from megarl.sched.bubble import AutogroupNice
 
     if not AutogroupNice.available():
         pytest.skip("no /proc/self/autogroup, or its nice value cannot be restored here")
@@ -185,7 +185,7 @@ def test_join_gives_the_unit_in_flight_normal_priority_back():
     waiting, so a busy machine cannot starve it."""
     import os
 
-    from megarl.rl.bubble import AutogroupNice, BubbleWorker
+    from megarl.sched.bubble import AutogroupNice, BubbleWorker
 
     if not hasattr(os, "SCHED_IDLE"):
         pytest.skip("no SCHED_IDLE on this OS")

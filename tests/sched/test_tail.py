@@ -10,9 +10,10 @@ from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig
 from megarl.rl.batching import make_batch
 from megarl.rl.data import epoch_order
-from megarl.rl.rollout import RolloutStage, rollout_line
-from megarl.rl.tail import Round, TailBatcher, TailConfig
-from megarl.rl.update import _logprob_diff_max, ref_token_logprobs
+from megarl.stages.rollout import RolloutStage, rollout_line
+from megarl.sched.tail import Round, TailBatcher, TailConfig
+from megarl.stages.update import logprob_diff_max
+from megarl.stream_train.logprobs import ref_token_logprobs
 from megarl.setup_run import prepare_inputs
 from tests.spec.test_spec_engine import _policy_with_entropy
 
@@ -109,7 +110,7 @@ def test_logprob_diff_catches_samples_from_other_weights():
 
     def diff_under(policy):
         batch["old_logprobs"] = ref_token_logprobs(policy.double(), batch["input_ids"]) * batch["loss_mask"]
-        return _logprob_diff_max(trainer, batch, results)
+        return logprob_diff_max(trainer, batch, results)
 
     assert diff_under(copy.deepcopy(model)) <= 1e-5  # (ref_token_logprobs takes the softmax in fp32)
     moved = copy.deepcopy(model)

@@ -16,25 +16,11 @@ import torch.distributed as dist
 
 from megarl.config import RunConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
-from megarl.rl.bubble import BubbleWorker, PhaseEnd
-from megarl.rl.data import epoch_order
-from megarl.rl.placement import LengthHistory, place
+from megarl.sched.bubble import BubbleWorker, PhaseEnd
+from megarl.sched.placement import LengthHistory, place
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.task import Problem
-from megarl.rl.timeline import StepTimeline
-
-
-def prompt_uids_for_step(step: int, cfg: RunConfig, n: int) -> list[int]:
-    p = cfg.rollout.prompts_per_step
-    if p > n:
-        raise ValueError(f"rollout.prompts_per_step={p} is larger than the prompt set ({n} prompts)")
-    orders: dict[int, list[int]] = {}
-    uids = []
-    for i in range(step * p, (step + 1) * p):
-        if i // n not in orders:
-            orders[i // n] = epoch_order(cfg.seed, i // n, n)
-        uids.append(orders[i // n][i % n])
-    return uids
+from megarl.sched.timeline import StepTimeline
 
 
 @dataclass
@@ -49,7 +35,7 @@ class Group:
 class RolloutStage:
     """Generates a step's GRPO groups. With ``replicas`` > 1 (rollout data parallelism) this
     process's rollout group generates its share of the prompts (``rollout.placement``:
-    round robin, or balanced by predicted length, megarl/rl/placement.py) and the groups of all
+    round robin, or balanced by predicted length, megarl/sched/placement.py) and the groups of all
     replicas are exchanged over ``dp_group`` (rank ``replica`` of it is this group's rank), so every
     process returns every group, in ``uids`` order."""
 
@@ -76,6 +62,11 @@ class RolloutStage:
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=inputs.tokenizer.stop_ids)
 
+    @property
+    def spec(self):
+        """The engine's Speculator (None without speculation)."""
+        return self.engine.spec
+
     def _assignment(self, uids: list[int]) -> list[list[int]]:
         return place(uids, self.replicas, self.cfg.rollout.placement, self.history)
 
@@ -92,14 +83,14 @@ class RolloutStage:
         for each group of this replica as soon as its last sample finishes (stream training).
 
         With several replicas, a replica that finished its share calls ``bubble(stop)`` (bubble
-        work, megarl/rl/bubble.py, in its own thread: it must return once ``stop()`` says the
+        work, megarl/sched/bubble.py, in its own thread: it must return once ``stop()`` says the
         step's last replica is done; ``low_priority``: at the OS's idle priority) while it waits
         for the others; the replicas then exchange their groups, without waiting for the bubble
         work's last unit (``wait_bubble`` does, before training; ``share_drafts`` then hands the
         step + 1 bubble drafts around). ``timeline`` gets this process's generate / reward /
         train / bubble phases; the rollout phase ends after the exchange.
 
-        ``keep`` (tail batching, megarl/rl/tail.py): stop generating once ``keep`` prompts are
+        ``keep`` (tail batching, megarl/sched/tail.py): stop generating once ``keep`` prompts are
         complete (each replica once its share, ``ceil(keep / replicas)``, is): only the complete
         groups are returned, in ``uids`` order, and the others are left in ``self.deferred``.
         Completion is counted in engine iterations, so which prompts make it is deterministic."""

@@ -2,7 +2,7 @@
 kernel with it (interpreter on CPU, compiled on GPU).
 
 The interpreter must be chosen before ``triton.jit`` wraps the kernels, i.e. before
-``megarl.spec.verify_triton`` is first imported, which another test in the same pytest process
+``megarl.engine.verify_triton`` is first imported, which another test in the same pytest process
 may already have done. So the CPU parity cases run in worker subprocesses (this file run as a
 script with TRITON_INTERPRET=1), two at a time on the two cores.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megarl.engine.sampler import gumbel_noise, sample
-from megarl.spec.verify import verify
+from megarl.engine.verify import verify
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -137,7 +137,7 @@ def _detmath_parity(device) -> None:
     """The kernel's det_log / det_exp / u -> g, bit for bit, on every u of the noise grid (which
     includes the one u whose g is -0.0), random floats of every exponent, and special values."""
     from megarl.engine.detmath import det_exp, det_log
-    from megarl.spec.verify_triton import detmath_triton
+    from megarl.engine.verify_triton import detmath_triton
     u = (torch.arange(2 ** 23, device=device).to(torch.float32) * 2.0 ** -23) + 2.0 ** -24
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-40, -87.5, 88.5,
                             -1e-30], device=device)
@@ -156,7 +156,7 @@ def _detmath_parity(device) -> None:
 
 def _triton_parity(dtype, device, vocabs_blocks, combos_per_call, noise_vocab, seed0=0):
     """Shared by the interpreter worker and the GPU test: raises AssertionError on any mismatch."""
-    from megarl.spec.verify_triton import gumbel_noise_triton, verify_triton
+    from megarl.engine.verify_triton import gumbel_noise_triton, verify_triton
     call = 0
     for vocab, block_v in vocabs_blocks:
         for combos in combos_per_call:
@@ -213,7 +213,7 @@ def test_triton_ptx_uses_ieee_ops_only():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megarl.spec import verify_triton as vt
+    from megarl.engine import verify_triton as vt
     if not isinstance(vt._verify_kernel, triton.runtime.JITFunction):
         pytest.skip("kernels were built for the interpreter (TRITON_INTERPRET=1)")
     if "nvidia" not in backends:

@@ -1,4 +1,4 @@
-"""Fused Triton verify kernel, bitwise twin of ``megarl.spec.verify.verify_torch``.
+"""Fused Triton verify kernel, bitwise twin of ``megarl.engine.verify.verify_torch``.
 
 One program per row; every pass streams the row's logits BLOCK_V at a time (V = 151936 is
 fine; V is a constexpr: one compile per vocab size and dtype):
@@ -18,7 +18,7 @@ fine; V is a constexpr: one compile per vocab size and dtype):
 Bitwise parity needs IEEE arithmetic: launches pass ``enable_fp_fusion=False`` (Triton then
 emits ``add.rn`` / ``mul.rn``, which ptxas never contracts into FMA), float32 division is
 ``tl.math.div_rn`` (Triton's float32 ``/`` is the approximate ``div.full.f32``; float64 ``/`` is
-``div.rn.f64``), and negation flips the sign bit. ``tests/spec/test_verify.py`` checks the PTX.
+``div.rn.f64``), and negation flips the sign bit. ``tests/engine/test_verify.py`` checks the PTX.
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU through numpy.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from megarl.engine import detmath as dm
-from megarl.spec.verify import TRITON_DTYPES, check_inputs, row_request
+from megarl.engine.verify_contract import TRITON_DTYPES, check_inputs, row_request
 
 # Globals used in jit code must be constexpr; all are exactly representable in float32.
 _LG1, _LG2, _LG3, _LG4 = tl.constexpr(dm.LG1), tl.constexpr(dm.LG2), tl.constexpr(dm.LG3), tl.constexpr(dm.LG4)
@@ -388,7 +388,7 @@ def detmath_triton(x: torch.Tensor, op: str, block: int = 1 << 16) -> torch.Tens
 def verify_triton(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
                   seed: int, step: int, block_v: int = 512, num_warps: int = 8,
                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract and results as ``megarl.spec.verify.verify`` (float32/float64 logits).
+    """Same contract and results as ``megarl.engine.verify.verify`` (float32/float64 logits).
     ``check=False`` skips the input validation (``verify`` has done it)."""
     if check:
         check_inputs(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0, seed,

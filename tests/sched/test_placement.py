@@ -1,7 +1,7 @@
 """Length-aware placement: every prompt placed once, balanced by predicted work, deterministic."""
 import pytest
 
-from megarl.rl.placement import LengthHistory, place
+from megarl.sched.placement import LengthHistory, place
 
 
 def work(assign, uids, hist):
@@ -43,7 +43,7 @@ def test_length_history_state_round_trips_through_json():
     and so places, exactly as before (seen and unseen prompts)."""
     import json
 
-    from megarl.rl.placement import LengthHistory, place
+    from megarl.sched.placement import LengthHistory, place
 
     h = LengthHistory()
     for uid, lengths in [(3, [10, 13]), (7, [40]), (11, [1, 2, 2])]:

@@ -1,6 +1,6 @@
-"""The RL loop's data order (megarl/rl/rollout.py): a pure function of (seed, step)."""
-from megarl.config import load_config
-from megarl.rl.rollout import epoch_order, prompt_uids_for_step
+"""The RL loop's data order (megarl/sched/prompts.py): a pure function of (seed, step)."""
+from megarl.rl.data import epoch_order
+from megarl.sched.prompts import prompt_uids_for_step
 
 
 def test_epoch_order_is_a_seeded_permutation():
@@ -10,6 +10,5 @@ def test_epoch_order_is_a_seeded_permutation():
 
 
 def test_steps_walk_each_epoch_without_repeats():
-    cfg = load_config(None, ["seed=3", "rollout.prompts_per_step=8"])
-    seen = [u for step in range(5) for u in prompt_uids_for_step(step, cfg, 20)]  # 40 = 2 epochs
+    seen = [u for step in range(5) for u in prompt_uids_for_step(step, 8, 3, 20)]  # 40 = 2 epochs
     assert seen[:20] == epoch_order(3, 0, 20) and seen[20:] == epoch_order(3, 1, 20)

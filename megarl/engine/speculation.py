@@ -1,0 +1,68 @@
+"""The engine's side of speculative decoding: the hooks it calls on a speculator, and what a
+learned drafter may read of the target model.
+
+The engine owns this interface and imports nothing of megarl/spec: ``megarl.spec.speculator.
+Speculator`` implements :class:`Speculation`, and a drafter is handed a :class:`DraftTarget` (the
+target's embedding and LM head, its shapes and its sampling set-up), never the engine itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from megarl.models.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a learned drafter reads of the model it drafts for."""
+
+    args: ModelArgs
+    """The target's shapes (hidden size, vocabulary, heads)."""
+    embed_weight: Callable[[], torch.Tensor]
+    """The target's token embedding [V, H] (current weights: they change every RL step)."""
+    head_weight: Callable[[], torch.Tensor]
+    """The target's LM head [V, H] (the embedding when tied)."""
+    matmul_params: int
+    """Weights the target reads per token in matmuls (for the drafter's cost relative to it)."""
+    seed: int
+    """The run seed of the sampling noise (drafts are sampled with the requests' own noise)."""
+    dtype: torch.dtype
+    """Model and cache dtype."""
+    sample_dtype: torch.dtype
+    """Dtype of the sampling math (at least fp32)."""
+    device: torch.device
+    tp_size: int
+    """Tensor-parallel size of the target (a drafter reads the full embedding: 1 only)."""
+
+
+class Speculation(Protocol):
+    """The hooks the engine calls, in this order within ``generate``: ``reset_stats`` (per run of
+    figures), ``attach`` (with ``needs_hidden``), ``begin``; per iteration ``propose`` (drafts for
+    the scheduled rows), ``on_prefill``/``on_verify`` (hidden states, with ``needs_hidden``),
+    ``feedback`` per request, ``step_end``; ``end`` with the results. ``bubble`` is the source
+    that keeps pre-generated (bubble) drafts, or None."""
+
+    needs_hidden: bool
+    bubble: object | None
+
+    def reset_stats(self) -> None: ...
+
+    def attach(self, target: DraftTarget) -> None: ...
+
+    def begin(self, requests: list, step: int) -> None: ...
+
+    def propose(self, reqs: list, tokens: list[list[int]], room: list[int], n_rows: int) -> list[list[int]]: ...
+
+    def on_prefill(self, groups: list[list], hidden: torch.Tensor) -> None: ...
+
+    def on_verify(self, reqs: list, hidden: torch.Tensor, tokens: torch.Tensor, n_rows: list[int],
+                  n_accept: list[int], n_before: list[int]) -> None: ...
+
+    def feedback(self, req, new_tokens: list[int], n_drafted: int, n_accepted: int) -> None: ...
+
+    def step_end(self) -> None: ...
+
+    def end(self, results: list, step: int, purpose: str) -> None: ...

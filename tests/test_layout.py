@@ -1,0 +1,99 @@
+"""The package's shape (issue 22): no import cycles, between modules or between packages, counting
+imports inside functions too (a lazy import that holds a cycle together is still a cycle); no
+module over 450 lines; the step function one screen long."""
+import ast
+import inspect
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "megarl"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """megarl modules ``path`` imports anywhere (``from megarl.x import y`` counts megarl.x.y if
+    that is a module, else megarl.x)."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in modules and t != name}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: _imports(path, name, set(files)) for name, path in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    """megarl.engine never imports megarl.spec while spec imports engine, and so on: the layers of
+    docs/design.md (pure pieces, then engine / trainer / sched, then the stages, then train.py)."""
+    pkg = lambda m: ".".join(m.split(".")[:2])  # noqa: E731 - megarl.<package> (or a top-level module)
+    graph = defaultdict(set)
+    for mod, deps in _graph().items():
+        graph[pkg(mod)] |= {pkg(d) for d in deps if pkg(d) != pkg(mod)}
+    assert _cycles(dict(graph)) == []
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_modules_are_small():
+    big = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert big == {}
+
+
+def test_the_step_is_one_screen():
+    from megarl.stages.step import run_step
+
+    assert len(inspect.getsource(run_step).splitlines()) <= 60
