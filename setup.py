@@ -1,4 +1,4 @@
-"""megarl: Megatron-based, exact RL post-training for LLMs (see README.md and ../shared/DESIGN.md)."""
+"""megarl: Megatron-based, exact RL post-training for LLMs (see README.md and docs/design.md)."""
 import sys
 
 from setuptools import Extension, find_packages, setup

@@ -27,7 +27,8 @@ from megarl.models.config import ModelArgs
 CHILD = """
 import sys
 from megarl.checkpoint import convert as cv
-cv.main_convert(sys.argv[1:] + ["--no-progress"])
+from megarl.checkpoint.convert_cli import main_convert
+main_convert(sys.argv[1:] + ["--no-progress"])
 # VmHWM: this process image's peak RSS (ru_maxrss would include the parent's, inherited over fork)
 hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print("PEAK_RSS_MB", int(hwm.split()[1]) / 1024)

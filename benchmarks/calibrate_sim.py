@@ -122,7 +122,7 @@ def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = Fa
         from megarl.models.hf_io import load_hf_model
 
         eng.load_weights(dict(load_hf_model(inputs.init_from_hf, eng.dtype).state_dict()))
-    stage = RolloutStage(eng, inputs, cfg)
+    stage = RolloutStage(eng, inputs, cfg.rollout, cfg.reward)
     out = []
     try:
         stage.run(prompt_uids_for_step(steps, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems))[:4], steps)  # warm-up

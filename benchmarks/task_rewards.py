@@ -31,7 +31,8 @@ def measure(config: str, task: str, prompts: int, group: int, overrides: list[st
                                f"rollout.group_size={group}"])
     inputs = prepare_inputs(cfg)
     model = load_hf_model(cfg.model.init_from_hf, torch.float32)
-    stage = RolloutStage(Engine(model, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed), inputs, cfg)
+    stage = RolloutStage(Engine(model, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed), inputs, cfg.rollout,
+                         cfg.reward)
     t0 = time.perf_counter()
     groups = stage.run(list(range(prompts)), step=0)
     seconds = time.perf_counter() - t0

@@ -6,6 +6,7 @@ line and exit status 2; no traceback, nothing written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert again even if the folder is cached")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    from megarl.checkpoint.convert import add_convert_parser
+    from megarl.checkpoint.convert_cli import add_convert_parser
 
     add_convert_parser(sub)
 
@@ -235,6 +236,16 @@ def configure_logging() -> None:
     quiet.install()
 
 
+def _unlock(lock, fresh: bool) -> None:
+    """A refused start leaves nothing behind: the lock released and, for a run directory this
+    start created, the directory removed (it holds nothing but the lock file)."""
+    lock.release()
+    if fresh:
+        lock.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            lock.run_dir.rmdir()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megarl.parallel.launch_env import export_launch_env
@@ -243,6 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.command == "bench" and args.bench == "engine":
         return _bench_engine(args)
+    lock = None
+    if args.command == "train":
+        from megarl.utils.run_lock import lock_run_dir
+
+        fresh = not Path(args.run_dir).exists()
+        try:  # first of all: a second run on the same directory ends here, before it loads anything
+            lock = lock_run_dir(args.run_dir)
+        except USER_ERRORS as e:
+            print(f"megarl: error: {e}", file=sys.stderr)
+            return 2
     from megarl.config import dump_config, load_config
 
     try:
@@ -260,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fetch":
             return _fetch(args)
         if args.command == "convert":
-            from megarl.checkpoint.convert import run_convert
+            from megarl.checkpoint.convert_cli import run_convert
 
             run_convert(args)
             return 0
@@ -283,11 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             check_run_dir(Path(args.run_dir), args.resume)
     except USER_ERRORS as e:  # only input checking is caught: a failure mid-run keeps its traceback
+        if lock is not None:
+            _unlock(lock, fresh)
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
     if args.command == "bench":
         return _bench(args, cfg)
-    train(cfg, args.run_dir, resume=args.resume, inputs=inputs)
+    train(cfg, args.run_dir, resume=args.resume, inputs=inputs, lock=lock)
     return 0
 
 

@@ -19,6 +19,8 @@ from megarl.sched.bubble import ScheduleConfig
 from megarl.rl.grpo import GRPOConfig
 from megarl.rl.reasoning_gym_data import ReasoningGymConfig
 from megarl.rl.rewards import RewardConfig
+from megarl.stages.rollout import RolloutConfig
+from megarl.stages.sft import SFTConfig
 from megarl.sched.tail import TailConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
@@ -103,69 +105,6 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """How responses are sampled (DESIGN.md §2: counter-based Gumbel sampling)."""
-
-    prompts_per_step: int = 8
-    """Prompts (GRPO groups) per RL step."""
-    group_size: int = 8
-    """Samples per prompt (G)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 disables."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 disables."""
-    max_new_tokens: int = 256
-    """Longest response; longer ones are cut (finish_reason=length)."""
-    max_batch_size: int = 64
-    """Requests decoded together (continuous batching)."""
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    """Engine weights/activations dtype."""
-    device: str = "cpu"
-    """Engine device (``cpu`` or ``cuda``)."""
-    kv_cache: Literal["slots", "paged"] = "slots"
-    """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
-    fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
-    prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
-    placement: Literal["round_robin", "length"] = "round_robin"
-    """How a step's prompts are spread over the rollout replicas (multi-process runs):
-    ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
-    response lengths when last seen; megarl/sched/placement.py). Never changes a sample; it can only
-    help once prompts come back (the second epoch over the prompt set)."""
-
-    dump: bool = False
-    """Write every step's samples (prompt uid, sample index, response token ids, reward) to
-    ``RUN_DIR/rollouts.jsonl``, one line per step: for inspecting what the policy generates, and
-    for checking that two runs sampled the same tokens (``megarl bench schedule``)."""
-
-    def __post_init__(self):
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-
-
-    def engine_config(self, max_seq_len: int):
-        """The rollout engine's ``EngineConfig`` from this section (``max_seq_len``: the model's
-        context length)."""
-        from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
-
-        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
-                            device=self.device, kv_cache=self.kv_cache)
-
-@dataclass
-class SFTConfig:
-    """Supervised warm-up on the task's worked solutions, before RL."""
-
-    steps: int = 600
-    """Optimizer steps of SFT; 0 skips SFT."""
-    batch_size: int = 32
-    """Solutions per SFT step."""
-    lr: float = 1e-3
-    """Learning rate of the SFT phase (the RL phase uses trainer.lr)."""
-
-
-@dataclass
 class RunConfig:
     """A whole megarl run."""
 
@@ -183,7 +122,7 @@ class RunConfig:
     """Stream training: train each GRPO group as soon as its last sample finishes, while the rest
     of the step still generates; the optimizer step waits for the step's last group and the loss
     is normalised by the step's final token count, so the update is the same as without it
-    (megarl/stages/update.py ``StreamUpdate``). Needs trainer PP = EP = 1 and rollout TP = trainer
+    (megarl/stream_train/stream.py ``StreamUpdate``). Needs trainer PP = EP = 1 and rollout TP = trainer
     TP: each trainer replica trains the groups its own rollout group generated."""
     deterministic: bool = True
     """Use torch's deterministic algorithms: runs repeat bit for bit and a resumed run reproduces

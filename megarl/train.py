@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from megarl.checkpoint.export import export_hf
-from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, save_checkpoint
+from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, remove_orphaned_temporaries, save_checkpoint
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
@@ -45,6 +45,7 @@ from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
 from megarl.utils.jsonl import append_line, truncate_to_step
 from megarl.utils.metrics_log import MetricsLogger
+from megarl.utils.run_lock import RunLock, lock_run_dir
 
 log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
@@ -71,15 +72,28 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
     return None
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None) -> list[dict]:
-    """Run ``cfg`` in ``run_dir``; returns the metrics of the steps run by this call."""
+def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None,
+          lock: RunLock | None = None) -> list[dict]:
+    """Run ``cfg`` in ``run_dir``; returns the metrics of the steps run by this call. ``lock``:
+    the run directory's lock if the caller took it already (the CLI does, first thing); else rank
+    0 takes it here, before anything is written. Held until this returns."""
     run_dir = Path(run_dir)
     export_launch_env()  # srun/MPI ranks as torchrun's RANK/WORLD_SIZE, before anything reads them
     inputs = inputs or prepare_inputs(cfg)  # all bad input fails here, before anything is written
-    ckpt = check_run_dir(run_dir, resume)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # the process that writes run-level files
+    lock = lock or lock_run_dir(run_dir)  # (rank 0; None elsewhere)
+    try:
+        if lock is not None:  # the only writer: what an interrupted write left behind is garbage
+            remove_orphaned_temporaries(run_dir, lock)
+        return _locked_train(cfg, run_dir, resume, inputs, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs, rank0: bool) -> list[dict]:
+    ckpt = check_run_dir(run_dir, resume)
     if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     if cfg.deterministic:
         set_deterministic()
@@ -104,9 +118,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
         shutdown_distributed(dims)
 
 
-def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
+def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
            layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
-    run, start, engine = _build(cfg, run_dir, inputs, ckpt, dims, groups, layout)
+    run, start, engine = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
     history = []
     bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress or dims.rank != 0, initial=start,
                total=cfg.rl_steps)
@@ -121,7 +135,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                                 len=f"{result.metrics['response_len_mean']:.0f}")
             stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
             if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, groups.group_index)
+                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, rollout_groups.group_index)
             if stop:
                 preempt.stop(step + 1)
                 break
@@ -132,7 +146,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     return history
 
 
-def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, groups: RolloutGroups,
+def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
            layout: Layout) -> tuple[Run, int, Engine | None]:
     """The step's objects for this process's role, the step to start from (a checkpoint's, after
     SFT when starting afresh) and this process's engine (None if it does not generate)."""
@@ -141,7 +155,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
                           mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
     if dims.generates:
-        engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, groups.tp_group)
+        engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, rollout_groups.tp_group)
     start, trainer_state, loop_state = 0, {}, {}
     prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, len(inputs.problems))
     if ckpt is not None:
@@ -166,21 +180,22 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
             ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
-    weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=groups.bridge,
+    weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
                              receiver=receiver)
     weight_sync()
     policy = BubblePolicy(cfg.schedule, cfg.spec, cfg.stream_train, cfg.rollout.device == "cpu", layout.rollout_dp)
-    rollout, long_sync = NoRollout(groups.group_index), None
+    rollout, long_sync = NoRollout(rollout_groups.group_index), None
     if engine is not None:
-        stage = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=layout.rollout_dp,
-                             dp_group=groups.dp_group, tp_group=groups.tp_group)
+        stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward, replica=rollout_groups.group_index,
+                             replicas=layout.rollout_dp, dp_group=rollout_groups.dp_group,
+                             tp_group=rollout_groups.tp_group)
         if ckpt is not None and "length_history" in loop_state:  # older checkpoints: placement restarts unseen
             stage.history.load_state_dict(loop_state["length_history"])
         # Elastic rollout TP: tail batching's long rounds on rollout groups of tail.long_rollout_tp.
         long_stage, long_sync = _long_round_stage(cfg, inputs, layout, trainer, stage)
         rollout = RolloutSide(stage, long_stage, policy, cfg.grpo.drop_zero_variance)
         if ckpt is not None:  # the learned drafter, its training buffer and strategy bandit
-            policy.drafter_steps = restore_drafter(engine, ckpt, groups.group_index, start)
+            policy.drafter_steps = restore_drafter(engine, ckpt, rollout_groups.group_index, start)
     if long_sync is not None:
         long_sync()
     side = NoTrainer() if trainer is None else TrainerSide(
@@ -194,7 +209,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
 def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Trainer | None) -> None:
     """SFT warm-up on the synthetic task's worked solutions, then the step-0 checkpoint."""
     if trainer is not None:
-        sft = run_sft(trainer, inputs, cfg)
+        sft = run_sft(trainer, inputs, cfg.sft, cfg.seed, cfg.progress)
         if dims.rank == 0:
             log.info("SFT done: %s", sft)
             atomic_write_text(run_dir / "sft.json", json.dumps(sft))
@@ -262,16 +277,17 @@ def _long_round_stage(cfg: RunConfig, inputs: RunInputs, layout: Layout, trainer
     long_layout = Layout.build(dataclasses.replace(layout.cfg, rollout_tp=long_tp), layout.world_size,
                                a.num_attention_heads, a.num_key_value_heads, a.num_hidden_layers,
                                getattr(a, "num_experts", 0) or 0)
-    groups = create_rollout_groups(long_layout)
-    engine = _make_engine(cfg, inputs, long_tp, groups.tp_group)
-    stage = RolloutStage(engine, inputs, cfg, replica=groups.group_index, replicas=long_layout.rollout_dp,
-                         dp_group=groups.dp_group, tp_group=groups.tp_group)
+    rollout_groups = create_rollout_groups(long_layout)
+    engine = _make_engine(cfg, inputs, long_tp, rollout_groups.tp_group)
+    stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward, replica=rollout_groups.group_index,
+                         replicas=long_layout.rollout_dp, dp_group=rollout_groups.dp_group,
+                         tp_group=rollout_groups.tp_group)
     stage.history = short.history
     return stage, WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb)
 
 
 def set_deterministic() -> None:
-    """Bitwise-repeatable runs (DESIGN.md §2: a resumed run repeats the uninterrupted run)."""
+    """Bitwise-repeatable runs (docs/design.md §1: a resumed run repeats the uninterrupted run)."""
     # cuBLAS needs a fixed workspace for deterministic matmuls; read at the first cuBLAS call.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)

@@ -19,7 +19,7 @@ dims = init_parallel()
 trainer = Trainer(inputs.args, cfg.trainer, dims, seed=cfg.seed)
 trainer.set_lr(cfg.sft.lr)
 for step in range(3):
-    batch = sft_batch(inputs, cfg, step)
+    batch = sft_batch(inputs, cfg.sft, cfg.seed, step)
     n = float(batch["loss_mask"].sum())
     trainer.train_step(batch, lambda lp, mb: (sft_loss(lp, mb["loss_mask"], n), {}))
 print("CHECKSUM", tensor_checksum(trainer.hf_state_dict()))

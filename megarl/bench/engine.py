@@ -9,7 +9,7 @@ model of the same family for CPU runs), at each batch size B:
 - ``engine_spec``: the same with speculation on, K=4 drafts per row from coupled bubble drafts
   pre-generated with the same weights (``Engine.pregenerate``, untimed: bubble work), so every
   draft is accepted: the ceiling of speculation at K=4 (RL's next-step drafts come close to it;
-  DESIGN.md §2).
+  docs/design.md §1).
 - ``hf``: ``transformers`` ``generate`` (greedy, KV cache, same weights, same shapes).
 - ``bound``: the memory-bandwidth bound, B / (bytes read per step / ``--hbm-gbps``), bytes =
   weights + the KV cache of B requests at the mean context. Meaningful on a GPU only (the default

@@ -76,14 +76,14 @@ def bench_rollout(cfg: RunConfig, steps: int, out_json: str | Path, progress: bo
         trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
                           mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
         if cfg.sft.steps > 0:
-            run_sft(trainer, inputs, cfg)
+            run_sft(trainer, inputs, cfg.sft, cfg.seed, cfg.progress)
             trainer.reset_optimizer()
         trainer.set_lr(cfg.trainer.lr)
         engine = Engine(CausalLM(inputs.args), cfg.rollout.engine_config(inputs.max_seq_len),
                         seed=cfg.seed)
         weight_sync = WeightSync(trainer, engine)  # planned once, run after every update
         weight_sync()
-        stage = RolloutStage(engine, inputs, cfg)
+        stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
         variants = _variants(cfg)
         probes = probe_steps(cfg, steps, len(inputs.problems))
         per_step = []

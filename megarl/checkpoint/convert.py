@@ -2,7 +2,8 @@
 
 On-disk Megatron layout (a weights-only checkpoint; ``meta.json`` documents it)::
 
-    OUT/meta.json                               format, HF config.json, tp/pp/ep (vpp), padded vocab, dtype, files
+    OUT/meta.json                               format, HF config.json, tp/pp/ep (vpp), padded vocab, dtype, files,
+                                                checksums (below)
     OUT/model_tp{t}_pp{p}_ep{e}.safetensors     rank (t, p, e)'s GPTModel piece: exactly
                                                 mcore_sharding.shard_rank(full, args, tp, pp, t, p, ep=, ep_rank=e)
                                                 (local names and shapes, vocab padded), so
@@ -11,6 +12,13 @@ On-disk Megatron layout (a weights-only checkpoint; ``meta.json`` documents it):
                                                 of rank (t, p, e), the piece of stage v*pp + p of a
                                                 pp*vpp-stage cut (mcore_sharding's docstring)
     OUT/tokenizer*, generation_config.json, ... copied from the HF folder (``meta["hf_files"]``)
+
+Checksums. ``meta["checksums"]`` = ``{"algorithm": "crc32", "pieces": {file: {"__header__": ...,
+tensor: ...}}, "files": {hf file: ...}}``, computed as the pieces are written (the bytes are hashed
+on their way to disk: no extra read). Every reader of pieces (``mcore_to_hf``, ``load_piece``)
+checks each header it opens and each tensor it reads, and the copied HF files when copied: a
+flipped byte fails with ``ChecksumMismatch`` naming the file (and tensor). Folders written before
+checksums existed have none: they are read unchecked, with one warning saying so.
 
 Names and cuts come from the one mapping (:mod:`megarl.models.mcore_mapping`) and the one layout
 (:mod:`megarl.models.mcore_sharding`); this module only decides what to read when.
@@ -36,10 +44,10 @@ tensor, not one output file:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
@@ -50,6 +58,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from megarl.checkpoint.convert_checksums import (META, check_checksums_field, copy_checked, make_checksums,
+                                                 piece_checksums)
 from megarl.checkpoint.safetensors_stream import DTYPES, TAGS, LazyTensors, StreamWriter, nbytes
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
@@ -59,12 +69,12 @@ from megarl.utils.fs import atomic_dir
 
 FORMAT = "megarl-mcore"
 FORMAT_VERSION = 1
-META = "meta.json"
 # Non-weight files of a HF folder that travel with the weights (tokenizer, generation settings).
 HF_FILE_NAMES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                  "merges.txt", "chat_template.jinja", "chat_template.json")
 HF_FILE_PREFIXES = ("tokenizer",)
 _EMB, _OUT = "embedding.word_embeddings.weight", "output_layer.weight"
+log = logging.getLogger(__name__)
 
 
 def piece_file(tp_rank: int, pp_rank: int, ep_rank: int = 0, vp: int | None = None) -> str:
@@ -104,7 +114,7 @@ class ConvertReport:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _check_out(out: Path, force: bool, inputs: Path) -> None:
+def check_out(out: Path, force: bool, inputs: Path) -> None:
     """Refuse to replace a non-empty ``out`` without ``force``, or to write over the input."""
     if out.resolve() == inputs.resolve():
         raise ValueError(f"--out {out} is the input folder; write the conversion elsewhere")
@@ -221,7 +231,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
     if vpp > 1 and pp < 2:
         raise ValueError(f"--vpp {vpp} (virtual pipeline stages) needs --pp >= 2 (got --pp {pp})")
     _check_moe_tp(args, tp)
-    _check_out(out, force, hf_dir)
+    check_out(out, force, hf_dir)
     stages = pp * vpp
     with LazyTensors(safetensors_files(hf_dir)) as src:
         dtype = check_hf_weights(src, args)
@@ -231,6 +241,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
         total = sum(len(plans[(s, e)]) for (t, s, e), _ in ranks)
         n_bytes = 0
         bar = _progress(total, "hf -> mcore", progress)
+        sums: dict[str, dict[str, str]] = {}
         with atomic_dir(out) as tmp:
             for (t, s, e), file in ranks:
                 plan = plans[(s, e)]
@@ -240,13 +251,15 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
                         w.write(local, _read_piece_tensor(src, lt, names[lt.name], args, tp, t))
                         bar.update()
                     n_bytes += w.total_bytes
+                sums[file] = w.checksums
             hf_files = _hf_files(hf_dir)
             for name in hf_files:
                 shutil.copy2(hf_dir / name, tmp / name)
             meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_config": cfg,
                     "tp": tp, "pp": pp, "ep": ep, "vpp": vpp, "vocab_size": args.vocab_size,
                     "padded_vocab_size": ms.padded_vocab(args.vocab_size, tp), "dtype": TAGS[dtype],
-                    "files": [file for _, file in ranks], "hf_files": hf_files}
+                    "files": [file for _, file in ranks], "hf_files": hf_files,
+                    "checksums": make_checksums(sums, tmp, hf_files)}
             with open(tmp / META, "w") as f:
                 json.dump(meta, f, indent=2)
         bar.close()
@@ -291,6 +304,7 @@ def read_meta(ckpt: str | os.PathLike) -> tuple[dict, ModelArgs]:
     if meta["files"] != want:
         raise ValueError(f"{path}: field 'files' is {meta['files']}, expected {want} for tp={tp} pp={pp} ep={ep} "
                          f"vpp={vpp}")
+    check_checksums_field(meta, path)
     missing = [f for f in want + meta["hf_files"] if not (Path(ckpt) / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{ckpt}: files listed in {META} are missing: {missing}")
@@ -318,9 +332,10 @@ def mcore_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, max_shard_mb: f
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     meta, args = read_meta(ckpt)
-    _check_out(out, force, ckpt)
+    check_out(out, force, ckpt)
+    sums = piece_checksums(ckpt, meta)
     with contextlib.ExitStack() as stack:  # keyed by (tp_rank, stage, ep_rank): stages = pp * vpp
-        srcs = {key: stack.enter_context(LazyTensors([ckpt / file]))
+        srcs = {key: stack.enter_context(LazyTensors([ckpt / file], sums))
                 for key, file in piece_files(meta["tp"], meta["pp"], meta["ep"], meta["vpp"])}
         return _mcore_to_hf(ckpt, out, meta, args, srcs, max_shard_mb, progress, t0)
 
@@ -367,7 +382,8 @@ def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict,
                 if writers[i] is None:
                     if i > 0:
                         writers[i - 1].close()
-                    writers[i] = StreamWriter(tmp / files[i], [(n, hf_shapes[n], dtype) for n in shards[i]])
+                    writers[i] = StreamWriter(tmp / files[i], [(n, hf_shapes[n], dtype) for n in shards[i]],
+                                              checksums=False)  # HF folders carry none
                 writers[i].write(h, tensor)
                 bar.update()
         writers[-1].close()
@@ -381,7 +397,7 @@ def _mcore_to_hf(ckpt: Path, out: Path, meta: dict, args: ModelArgs, srcs: dict,
         with open(tmp / "config.json", "w") as f:
             json.dump(meta["hf_config"], f, indent=2)
         for name in meta["hf_files"]:
-            shutil.copy2(ckpt / name, tmp / name)
+            copy_checked(ckpt / name, tmp / name, meta)
     bar.close()
     return ConvertReport(len(order), sum(w.total_bytes for w in writers), time.perf_counter() - t0)
 
@@ -403,63 +419,5 @@ def load_piece(ckpt: str | os.PathLike, tp_rank: int, pp_rank: int, ep_rank: int
     if (meta["vpp"] > 1) != (vp is not None) or (vp is not None and not 0 <= vp < meta["vpp"]):
         raise ValueError(f"{ckpt} has vpp={meta['vpp']}: pass vp in 0..{meta['vpp'] - 1}" if meta["vpp"] > 1
                          else f"{ckpt} has no virtual pipeline stages (vpp=1): pass vp=None, got {vp}")
-    with LazyTensors([Path(ckpt) / piece_file(tp_rank, pp_rank, ep_rank, vp=vp)]) as src:
+    with LazyTensors([Path(ckpt) / piece_file(tp_rank, pp_rank, ep_rank, vp=vp)], piece_checksums(ckpt, meta)) as src:
         return {n: src.get(n) for n in src.where}
-
-
-# -------------------------------------------------------------------------------------------- CLI
-
-
-def add_convert_parser(subparsers) -> argparse.ArgumentParser:
-    """``convert hf-to-mcore`` / ``convert mcore-to-hf`` under a ``megarl`` subparsers object."""
-    p = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face and megarl's Megatron layout")
-    sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-mcore", help="HF folder -> per-rank Megatron pieces + meta.json")
-    a.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
-    a.add_argument("--out", required=True, help="output folder (must be absent or empty unless --force)")
-    a.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    a.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
-    a.add_argument("--vpp", type=int, default=1,
-                   help="virtual pipeline stages per pipeline rank (interleaved 1F1B; needs --pp >= 2): "
-                        "pp*vpp must divide the layers")
-    b = sub.add_parser("mcore-to-hf", help="per-rank Megatron pieces -> HF folder")
-    b.add_argument("--ckpt", required=True, help="folder written by hf-to-mcore")
-    b.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
-    b.add_argument("--max-shard-mb", type=float, default=5000, help="largest HF weight file, MiB")
-    c = sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp) -> HF folder: dequantised weights, tokenizer.json, "
-                                          "tokenizer_config.json with the chat template (Llama/Qwen2/Qwen3, BPE)")
-    c.add_argument("--gguf", required=True, help="the .gguf file")
-    c.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights' dtype (default float32: the dequantised values exactly)")
-    for q in (a, b, c):
-        q.add_argument("--force", action="store_true", help="replace a non-empty --out")
-        q.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def run_convert(args: argparse.Namespace) -> ConvertReport | None:
-    if args.direction == "gguf-to-hf":
-        from megarl.models.gguf import gguf_to_hf
-
-        _check_out(Path(args.out), args.force, Path(args.gguf))
-        print(gguf_to_hf(args.gguf, args.out, dtype=args.dtype, progress=not args.no_progress))
-        return None
-    if args.direction == "hf-to-mcore":
-        report = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.force, not args.no_progress,
-                             vpp=args.vpp)
-    else:
-        report = mcore_to_hf(args.ckpt, args.out, args.max_shard_mb, args.force, not args.no_progress)
-    print(report.line())
-    return report
-
-
-def main_convert(argv: list[str] | None = None) -> ConvertReport:
-    parser = argparse.ArgumentParser(prog="megarl")
-    add_convert_parser(parser.add_subparsers(dest="command", required=True))
-    return run_convert(parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    main_convert()

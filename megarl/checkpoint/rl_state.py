@@ -5,10 +5,27 @@ Layout: ``RUN_DIR/checkpoints/step_000010/{trainer.pt,state.json[,ref.pt]}``, wi
 files that single processes add (``rank_files``: the learned drafter's state per rollout replica,
 ``drafter_replica<r>.pt``, megarl/spec/drafter_state.py). A checkpoint directory
 appears only when complete (temp dir + rename), so ``latest_checkpoint`` never sees half of one.
+
+Checksums (issue 24): a file deleted, truncated or changed after it was written used to load as
+whatever was there. ``state.json`` now records every other file's SHA-256 and size
+(``"checksums": {"algorithm", "files": {name: {"sha256", "bytes"}}}``) and a checksum of its own
+content (``"state_sha256"``). Each writer hashes the files it wrote (read back from the page
+cache right after ``torch.save``); with several processes it leaves them in a sidecar that rank
+0 folds into ``state.json``. ``latest_checkpoint`` checks the cheap part (``state.json``, every
+file present with its recorded size) and ``load_checkpoint`` hashes the files this process reads
+(its trainer file and ``ref.pt``; other loaders call ``verify_checkpoint(path, read=[name])``, as
+the drafter's per-replica file should); a mismatch raises
+``CheckpointCorrupted`` naming the file and the newest earlier checkpoint that passes the same
+checks, to resume from instead. Checkpoints from before checksums load unchecked, with a warning.
+
+Orphans: a write interrupted by a crash leaves ``.step_N.tmp-*`` (or ``.step_N.tmp``) folders
+that nothing removes. ``remove_orphaned_temporaries`` deletes them at the next start; it needs
+the run directory's lock (megarl/utils/run_lock.py): only then is no live writer using them.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,9 +35,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint import checksum
 from megarl.utils.fs import atomic_dir
+from megarl.utils.run_lock import RunLock
 
 _STEP_DIR = re.compile(r"^step_(\d{6})$")
+_STATE = "state.json"
+_SUM_SUFFIX = ".checksum.json"   # a writer's sidecar in a multi-process write, folded into state.json
+# What atomic writes leave when interrupted: atomic_dir's ".NAME.tmp-XXXX" and ".NAME.old-PID",
+# save_checkpoint's shared ".step_N.tmp", export's ".hf.pieces", atomic_write_*'s ".FILE.tmp-XXXX".
+_TEMPORARY = re.compile(r"^\.(?P<final>.+)\.(?:tmp-[^/]+|tmp|old-(?P<pid>\d+)|pieces)$")
+log = logging.getLogger(__name__)
+
+
+class CheckpointCorrupted(ValueError):
+    """A checkpoint's file is missing, truncated or changed since it was written (a user error:
+    the message says which checkpoint to resume from instead)."""
+
+    def __init__(self, message: str, path: Path, previous: Path | None):
+        super().__init__(message)
+        self.path = path
+        self.previous = previous
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -35,9 +70,21 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path, skip_corrupted: bool = False) -> Path | None:
+    """The newest checkpoint, after the cheap checks (``state.json`` readable and intact, every
+    file present with its recorded size). A newest one that fails them raises
+    ``CheckpointCorrupted`` naming it and the previous good one, unless ``skip_corrupted``: then
+    the newest good one is returned (with a warning naming each one skipped)."""
     found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    for i in range(len(found) - 1, -1, -1):
+        path = found[i][1]
+        problem = _cheap_problem(path)
+        if problem is None:
+            return path
+        if not skip_corrupted:
+            raise _corrupted(path, problem)
+        log.warning("skipping corrupted checkpoint %s: %s", path, problem)
+    return None
 
 
 def trainer_file(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
@@ -62,8 +109,8 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
             **loop_state}
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
-            _write(tmp, trainer_file(0, 0, 1, 1), trainer_state, meta, ref_state)
             _write_rank_files(tmp, rank_files)
+            _write(tmp, trainer_file(0, 0, 1, 1), trainer_state, meta, ref_state)
     else:
         # One shared temporary directory: rank 0 makes it, every piece writes into it, rank 0
         # renames it once all have written (barriers), so the checkpoint still appears whole.
@@ -72,9 +119,13 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
+        written = []
         if dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
-            torch.save(trainer_state, tmp / trainer_file(dims.tp_rank, dims.pp_rank, tp, pp))
-        _write_rank_files(tmp, rank_files)
+            name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
+            torch.save(trainer_state, tmp / name)
+            written.append(name)
+        written += _write_rank_files(tmp, rank_files)
+        _write_sidecar(tmp, written, dims.rank)
         dist.barrier()
         if dims.rank == 0:
             _write(tmp, None, None, meta, ref_state)
@@ -89,25 +140,57 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
 
 
 def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) -> None:
+    """The files only one process writes, then ``state.json`` with the checksums of every file in
+    ``tmp`` (the other processes' from their sidecars)."""
     if name is not None:
         torch.save(trainer_state, tmp / name)
     if ref_state is not None:
         torch.save(ref_state, tmp / "ref.pt")
-    with open(tmp / "state.json", "w") as f:
+    files = {}
+    for sidecar in sorted(tmp.glob("*" + _SUM_SUFFIX)):
+        files.update(json.loads(sidecar.read_text()))
+        sidecar.unlink()
+    for path in sorted(tmp.iterdir()):
+        if path.name not in files and path.name != _STATE:
+            files[path.name] = _file_record(path)
+    meta = {**meta, "checksums": {"algorithm": checksum.FILES, "files": files}}
+    meta["state_sha256"] = _state_digest(meta)
+    with open(tmp / _STATE, "w") as f:
         json.dump(meta, f, indent=2)
 
 
-def _write_rank_files(tmp: Path, rank_files: dict[str, Any] | None) -> None:
+def _write_rank_files(tmp: Path, rank_files: dict[str, Any] | None) -> list[str]:
     for name, obj in (rank_files or {}).items():
         torch.save(obj, tmp / name)
+    return list(rank_files or {})
+
+
+def _write_sidecar(tmp: Path, names: list[str], rank: int) -> None:
+    """This process's files' checksums, for rank 0 to fold into ``state.json`` (hashing spreads
+    over the writers instead of rank 0 reading every file)."""
+    if names:
+        records = {name: _file_record(tmp / name) for name in names}
+        (tmp / f"rank{rank}{_SUM_SUFFIX}").write_text(json.dumps(records))
+
+
+def _file_record(path: Path) -> dict:
+    digest, size = checksum.file_digest(path, checksum.FILES)
+    return {checksum.FILES: digest, "bytes": size}
+
+
+def _state_digest(meta: dict) -> str:
+    """Checksum of ``state.json``'s content without its own checksum (canonical JSON)."""
+    rest = {k: v for k, v in meta.items() if k != "state_sha256"}
+    return checksum.digest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode(), checksum.FILES)
 
 
 def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """This process's trainer state (plus ``ref``: the reference policy, if saved) and the loop
-    state. The checkpoint's trainer TP/PP must be this run's (``dims``; None = one process)."""
+    state. The checkpoint's trainer TP/PP must be this run's (``dims``; None = one process).
+    Checks the checkpoint first (module docstring): every listed file present with its size, and
+    the checksums of the files this process reads; ``CheckpointCorrupted`` otherwise."""
     path = Path(path)
-    with open(path / "state.json") as f:
-        loop_state = json.load(f)
+    loop_state = read_state(path)
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     vpp = dims.vpp if dims is not None else 1
     saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1), loop_state.pop("trainer_vpp", 1))
@@ -117,10 +200,145 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
                          f"resume with the same parallel.trainer_tp/pp/vpp "
                          f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
     if dims is not None and not dims.trains:  # a generating-only process: the loop state is all it needs
+        verify_checkpoint(path)
         return {}, loop_state
     name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp) if dims is not None else trainer_file(0, 0, 1, 1)
+    verify_checkpoint(path, read=[name, "ref.pt"])   # what this process loads below
     # Our own files, holding Megatron optimizer state (python objects): full unpickling is needed.
     trainer_state = torch.load(path / name, map_location="cpu", weights_only=False)
     if (path / "ref.pt").exists():
         trainer_state["ref"] = torch.load(path / "ref.pt", map_location="cpu", weights_only=True)
     return trainer_state, loop_state
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """``state.json`` without its checksum fields; ``CheckpointCorrupted`` if it is missing,
+    not JSON, or does not match its own checksum."""
+    path = Path(path)
+    state, problem = _read_state(path)
+    if problem is not None:
+        raise _corrupted(path, problem)
+    state.pop("checksums", None)
+    state.pop("state_sha256", None)
+    return state
+
+
+_warned_unchecked: set[str] = set()
+
+
+def verify_checkpoint(path: str | Path, read: list[str] = ()) -> None:
+    """Raise ``CheckpointCorrupted`` unless every file ``state.json`` lists is present with its
+    recorded size and the files in ``read`` (the ones the caller is about to load; names not
+    listed are ignored) hash to their recorded checksums. Hashing only what a process reads
+    spreads the cost over the processes. A checkpoint without checksums (older megarl) passes,
+    with one warning."""
+    path = Path(path)
+    problem = _cheap_problem(path)
+    if problem is not None:
+        raise _corrupted(path, problem)
+    state, _ = _read_state(path)
+    files = (state.get("checksums") or {}).get("files")
+    if files is None:
+        if str(path) not in _warned_unchecked:
+            _warned_unchecked.add(str(path))
+            log.warning("checkpoint %s has no checksums (written by an older megarl): loading it unverified", path)
+        return
+    for name in sorted(set(read) & set(files)):
+        digest, _ = checksum.file_digest(path / name, checksum.FILES)
+        if digest != files[name].get(checksum.FILES):
+            raise _corrupted(path, f"{name} does not match the {checksum.FILES} checksum recorded when it "
+                                   f"was written")
+
+
+def _read_state(path: Path) -> tuple[dict, str | None]:
+    """(state, None), or ({}, what is wrong with ``state.json``)."""
+    try:
+        with open(path / _STATE) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return {}, f"{_STATE} is missing"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {}, f"{_STATE} is not valid JSON ({exc})"
+    if not isinstance(state, dict):
+        return {}, f"{_STATE} is not a JSON object"
+    if "state_sha256" in state and state["state_sha256"] != _state_digest(state):
+        return {}, f"{_STATE} does not match its own checksum (state_sha256)"
+    return state, None
+
+
+def _cheap_problem(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path`` short of hashing its files, or None: ``state.json``
+    intact, every file it lists present with its recorded size (without checksums: the trainer
+    file present)."""
+    state, problem = _read_state(path)
+    if problem is not None:
+        return problem
+    sums = state.get("checksums")
+    if sums is None:   # older megarl: at least every trainer file must be there
+        tp, pp = state.get("trainer_tp", 1), state.get("trainer_pp", 1)
+        missing = [n for n in (trainer_file(t, p, tp, pp) for t in range(tp) for p in range(pp))
+                   if not (path / n).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    if not isinstance(sums, dict) or not isinstance(sums.get("files"), dict):
+        return f"{_STATE}: field 'checksums' is not {{'algorithm', 'files': {{name: {{...}}}}}}"
+    if sums.get("algorithm") != checksum.FILES:
+        return f"{_STATE}: checksum algorithm {sums.get('algorithm')!r} is not supported (valid: {checksum.FILES!r})"
+    for name, record in sorted(sums["files"].items()):
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != record.get("bytes"):
+            return f"{name} has {size} bytes, {record.get('bytes')} when it was written (truncated or replaced)"
+    return None
+
+
+def _corrupted(path: Path, problem: str) -> CheckpointCorrupted:
+    """The error for checkpoint ``path``, naming the newest earlier checkpoint that passes the
+    cheap checks (the files' checksums are checked when it is loaded)."""
+    step = _STEP_DIR.match(path.name)
+    siblings = sorted((int(m.group(1)), p) for p in path.parent.iterdir()
+                      if (m := _STEP_DIR.match(p.name)) and p.is_dir()) if path.parent.is_dir() else []
+    earlier = [p for s, p in siblings if step and s < int(step.group(1))]
+    previous = next((p for p in reversed(earlier) if _cheap_problem(p) is None), None)
+    if previous is not None:
+        hint = (f"the previous good checkpoint is {previous.name}: move {path.name} out of {path.parent} (or "
+                f"delete it) and resume again to continue from {previous.name}")
+    else:
+        hint = "no earlier checkpoint is intact: start the run again in a new run directory"
+    return CheckpointCorrupted(f"checkpoint {path} is corrupted: {problem}; {hint}", path, previous)
+
+
+def remove_orphaned_temporaries(run_dir: str | Path, lock: RunLock) -> list[Path]:
+    """Delete what interrupted atomic writes left in ``run_dir`` and its ``checkpoints/`` (names
+    like ``.step_000010.tmp-ab12``, ``.step_000010.tmp``, ``.hf.pieces``, ``.config.yaml.tmp-x``);
+    return what was removed. Call it at start, on rank 0, right after taking the run directory's
+    ``lock`` (required: it guarantees no live writer still uses them). One exception: an
+    ``.NAME.old-PID`` whose ``NAME`` is missing is a complete older copy that a crash caught between
+    ``atomic_dir``'s two renames: it is renamed back to ``NAME`` instead."""
+    run_dir = Path(run_dir)
+    if not lock.held or lock.run_dir.resolve() != run_dir.resolve():
+        raise ValueError(f"remove_orphaned_temporaries({run_dir}) needs that run directory's lock held "
+                         f"(RunLock({run_dir}).acquire()): without it a live writer's files could be deleted")
+    removed = []
+    for folder in (run_dir, checkpoint_dir(run_dir)):
+        if not folder.is_dir():
+            continue
+        for entry in sorted(folder.iterdir()):
+            m = _TEMPORARY.match(entry.name)
+            if m is None:
+                continue
+            final = folder / m.group("final")
+            if m.group("pid") is not None and not final.exists():
+                os.rename(entry, final)
+                log.warning("restored %s from %s (a crash between replacing and removing it)", final, entry.name)
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    if removed:
+        log.info("removed %d orphaned temporary file(s) of interrupted writes: %s", len(removed),
+                 ", ".join(str(p) for p in removed))
+    return removed

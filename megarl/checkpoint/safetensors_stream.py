@@ -6,6 +6,12 @@ header order, so once every name, shape and dtype is known up front (the convert
 the model config) the header can be written first and the tensors streamed after it: peak memory
 is one tensor, whatever the file size. The result is a plain safetensors file
 (``safe_open`` / ``load_file`` / ``transformers`` read it).
+
+Checksums: the writer hashes the header and each tensor's bytes as it writes them
+(``StreamWriter.checksums``: ``{"__header__": ..., name: ...}``); given those, the reader checks the
+header on open and each tensor on ``get`` (no extra read: the bytes just read are hashed), so a
+flipped byte is an error naming the file and tensor instead of a wrong weight. Partial reads
+(``rows``/``cols``, used on HF inputs, which carry no checksums) cannot be checked.
 """
 from __future__ import annotations
 
@@ -16,11 +22,15 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint import checksum
+
 # safetensors dtype tags <-> torch dtypes (the ones checkpoints use).
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 TAGS = {v: k for k, v in DTYPES.items()}
+HEADER = "__header__"
+"""Key of the header's checksum (the 8-byte length and the JSON) among a file's tensor checksums."""
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -33,10 +43,10 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 class StreamWriter:
     """Writes a safetensors file whose tensors (``(name, shape, dtype)`` in file order) are given
     up front, then passed one at a time to :meth:`write` in that order. :meth:`close` fails unless
-    every tensor was written."""
+    every tensor was written. ``checksums``: hash header and tensors (``self.checksums``)."""
 
     def __init__(self, path: str | os.PathLike, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, checksums: bool = True):
         self.path, self.entries, self._next = Path(path), list(entries), 0
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
@@ -47,8 +57,12 @@ class StreamWriter:
         self.total_bytes = offset
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the reference writer aligns the data start to 8 bytes
+        head = struct.pack("<Q", len(raw)) + raw
+        self._hash = checksums
+        self.checksums: dict[str, str] = {HEADER: checksum.digest(head)} if checksums else {}
+        """Checksum (``checksum.PIECES``) of the header and of each tensor written so far."""
         self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.write(head)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.entries):
@@ -60,8 +74,11 @@ class StreamWriter:
             raise ValueError(f"{self.path.name}: tensor {name} has shape {tuple(tensor.shape)} and dtype "
                              f"{tensor.dtype}, planned {tuple(shape)} {dtype}")
         flat = tensor.detach().cpu().contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
+        if self._hash:
+            self.checksums[name] = checksum.digest(data)
         if flat.numel():
-            self._f.write(flat.view(torch.uint8).numpy().data)
+            self._f.write(data)
         self._next += 1
 
     def close(self) -> None:
@@ -84,24 +101,35 @@ class LazyTensors:
     """Every tensor of a set of safetensors files by name, read only when asked for, with plain
     positional reads (``os.preadv``) of just the bytes asked for. Not ``safe_open``: its memory map
     keeps every page a conversion touches resident in the process (RSS grows to the input size).
-    Headers are checked on open (a truncated or corrupted file fails naming it)."""
+    Headers are checked on open (a truncated or corrupted file fails naming it).
 
-    def __init__(self, files: list[Path]):
+    ``checksums`` ({file name: ``StreamWriter.checksums``}): files listed there have their header
+    checked on open and each tensor on ``get`` (``checksum.ChecksumMismatch`` naming file and
+    tensor); a tensor or file not listed is read unchecked."""
+
+    def __init__(self, files: list[Path], checksums: dict[str, dict[str, str]] | None = None):
         self._fds: list[int] = []
         self._info: dict[str, tuple[int, torch.dtype, tuple[int, ...], int]] = {}  # fd index, dtype, shape, offset
         self.where: dict[str, Path] = {}
+        self._sums: dict[str, str] = {}  # tensor name -> recorded checksum
         for f in files:
             fd = os.open(f, os.O_RDONLY)
             self._fds.append(fd)
-            self._read_header(Path(f), len(self._fds) - 1)
+            self._read_header(Path(f), len(self._fds) - 1, (checksums or {}).get(Path(f).name))
 
-    def _read_header(self, f: Path, i: int) -> None:
+    def _read_header(self, f: Path, i: int, sums: dict[str, str] | None) -> None:
         fd, size = self._fds[i], os.fstat(self._fds[i]).st_size
         try:
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             if 8 + n > size:
                 raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
-            header = json.loads(os.pread(fd, n, 8))
+            raw = os.pread(fd, n, 8)
+            if sums is not None and checksum.digest(os.pread(fd, 8, 0) + raw) != sums.get(HEADER):
+                raise checksum.ChecksumMismatch(f"{f}: its header does not match the {checksum.PIECES} checksum "
+                                                f"recorded when it was written: the file is corrupted")
+            header = json.loads(raw)
+        except checksum.ChecksumMismatch:
+            raise
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"{f} is not a readable safetensors file: {exc}") from None
         for name, e in header.items():
@@ -118,6 +146,8 @@ class LazyTensors:
                                  f"shape {shape} {dtype} or the file ({size} bytes): truncated or corrupted")
             self._info[name] = (i, dtype, shape, 8 + n + lo)
             self.where[name] = f
+            if sums is not None and name in sums:
+                self._sums[name] = sums[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info[name][2]
@@ -125,8 +155,9 @@ class LazyTensors:
     def dtype(self, name: str) -> torch.dtype:
         return self._info[name][1]
 
-    def _read(self, name: str, start: int, count: int) -> torch.Tensor:
-        """``count`` bytes of ``name`` from byte ``start`` of its data, as a flat tensor of its dtype."""
+    def _read(self, name: str, start: int, count: int, verify: bool = False) -> torch.Tensor:
+        """``count`` bytes of ``name`` from byte ``start`` of its data, as a flat tensor of its dtype;
+        ``verify``: the bytes are the whole tensor, compare them with its recorded checksum."""
         i, dtype, _, offset = self._info[name]
         buf = bytearray(count)
         view, done = memoryview(buf), 0
@@ -135,13 +166,17 @@ class LazyTensors:
             if got == 0:
                 raise ValueError(f"{self.where[name]}: unexpected end of file reading tensor {name}")
             done += got
+        if verify and name in self._sums and checksum.digest(view) != self._sums[name]:
+            raise checksum.ChecksumMismatch(
+                f"{self.where[name]}: tensor {name} does not match the {checksum.PIECES} checksum recorded "
+                f"when the file was written: the file is corrupted")
         if not count:
             return torch.empty(0, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype)
 
     def get(self, name: str) -> torch.Tensor:
         _, dtype, shape, _ = self._info[name]
-        return self._read(name, 0, nbytes(shape, dtype)).view(shape)
+        return self._read(name, 0, nbytes(shape, dtype), verify=True).view(shape)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0) only: the rest of the tensor is not read."""

@@ -1,4 +1,4 @@
-"""Bit-reproducible float32 ``log`` and ``exp`` (DESIGN.md §2: every backend samples the same token).
+"""Bit-reproducible float32 ``log`` and ``exp`` (docs/design.md §1: every backend samples the same token).
 
 ``torch.log`` / ``torch.exp`` (SLEEF on CPU, CUDA's libm, Triton's approximate ``lg2``, numpy)
 differ in the last bits, so the sampler's noise and top-p weights would differ across backends.

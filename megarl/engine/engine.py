@@ -1,7 +1,7 @@
 """The native rollout engine: continuous batching over a KV cache (slots, or paged:
 ``EngineConfig.kv_cache``), Gumbel-max sampling, speculative decoding.
 
-One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (DESIGN.md §3):
+One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (docs/design.md §2):
 - ``admit`` moves waiting requests into free slots, so a freed slot is refilled at once. The
   prompt minus its last token is cached by one forward per distinct prompt (the G samples of a
   GRPO group share it) and copied into the slots of the prompt's other samples.
@@ -14,7 +14,7 @@ One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (DESIGN.md 
   past rejected drafts, retires finished requests and frees their slots.
 
 Every token is a function of (weights, prompt, seed, step, uid, sample_idx, position) only
-(DESIGN.md §2), so which requests share a batch never changes a response (up to the
+(docs/design.md §1), so which requests share a batch never changes a response (up to the
 batch-invariance of the float reductions: exact in the float64 CPU tests).
 
 Tensor parallelism: given a ``TPCausalLM`` (megarl/engine/tp_model.py), every rank of the rollout
@@ -217,7 +217,7 @@ class Engine:
     def pregenerate(self, requests: list[Request], step: int, coupled: bool = True,
                     should_stop: Callable[[], bool] | None = None) -> list[Result]:
         """Bubble work: generate ``requests`` of a FUTURE step ``step`` with the current weights
-        and keep the responses as that step's bubble drafts (DESIGN.md §2, coupled drafts).
+        and keep the responses as that step's bubble drafts (docs/design.md §1, coupled drafts).
         ``coupled=False`` samples them with unrelated noise instead (a control that measures
         what coupling gains; the drafts stay valid, just less often accepted). Preempted by
         ``should_stop`` (see ``generate``), the partial responses are kept: a prefix of a coupled

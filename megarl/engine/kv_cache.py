@@ -4,7 +4,7 @@ Each running request owns one *slot*: a row of the preallocated k/v tensors
 ``[n_layers, max_slots, n_kv_heads, max_seq_len, head_dim]`` (heads before positions, so that a
 slot's keys of one head are contiguous and attention reads them without copies). The slot table (which slots are
 free, how many positions each one holds) is plain Python, so the scheduler and its tests never
-touch the device (DESIGN.md §3). A forward over a batch of slots gets a ``CacheAttention``
+touch the device (docs/design.md §2). A forward over a batch of slots gets a ``CacheAttention``
 object built once per forward: it writes the new k/v of every row at that row's positions and
 attends over the row's cached prefix plus its new tokens.
 """

@@ -6,7 +6,7 @@ contiguous (the Triton kernel loads them as one tile; megarl/engine/paged_attent
 Request ``r`` caches position ``p`` in block ``blocks[r][p // block_size]`` at offset
 ``p % block_size``.
 
-``BlockTable`` is the host-side bookkeeping, plain Python and deterministic (DESIGN.md §3): request
+``BlockTable`` is the host-side bookkeeping, plain Python and deterministic (docs/design.md §2): request
 rows and blocks are both handed out lowest free first, and a block returns to the pool when its
 last holder lets go (refcounts). The G samples of a GRPO group share their prompt: its k/v are
 computed once, the full blocks are shared by reference, and a partially filled last block is

@@ -1,4 +1,4 @@
-"""Counter-based Gumbel-max sampler (DESIGN.md §2, the exactness contract).
+"""Counter-based Gumbel-max sampler (docs/design.md §1, the exactness contract).
 
 A sampled token is ``argmax(filter(logits / T) + g)`` where the Gumbel noise ``g[v]`` is a pure
 function of the key (run seed, RL step, prompt uid, sample index, position, v). No stateful

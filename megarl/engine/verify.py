@@ -1,4 +1,4 @@
-"""Speculative verification (DESIGN.md §2): the target's own sample at every draft position.
+"""Speculative verification (docs/design.md §1): the target's own sample at every draft position.
 
 Verification is a comparison, not a probability test: the target runs on the draft, the
 counter-based sampler gives the target's token at each row with the row's own noise key, and

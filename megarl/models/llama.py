@@ -3,7 +3,7 @@ for reference checks.
 
 Parameter names are exactly the Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
 ...), so a HF safetensors file loads with ``load_state_dict`` and the weight sync from the
-trainer speaks the same names (DESIGN.md §3).
+trainer speaks the same names (docs/design.md §2).
 
 Attention is pluggable: every layer computes q/k/v (RoPE applied) and hands them to an
 *attention backend* ``attn(layer_idx, q, k, v) -> out`` with shapes ``[B, T, H, D]``. Without
@@ -14,7 +14,7 @@ the cache is laid out.
 MoE layers (Qwen3-MoE ``mlp.gate`` + ``mlp.experts.E.{gate,up,down}_proj``, Mixtral
 ``block_sparse_moe.gate`` + ``block_sparse_moe.experts.E.{w1,w3,w2}``) route each token on its own
 hidden state and never drop tokens, so a token's output depends on that token only: the engine's
-batch composition cannot change it (DESIGN.md §2).
+batch composition cannot change it (docs/design.md §1).
 """
 from __future__ import annotations
 

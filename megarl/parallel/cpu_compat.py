@@ -295,7 +295,7 @@ def _patch_moe_router_fp64() -> None:
     routing probabilities with ``torch.softmax(..., dtype=torch.float32)`` whatever the model
     dtype, so an fp64 model routes with fp32-rounded weights and its logits differ from megarl's
     fp64 ``CausalLM`` (whose router softmax runs in at least fp32, fp64 for fp64) by ~1e-8
-    instead of ~1e-15. fp64 is the dtype of the CPU exactness tests (DESIGN.md §2), so on CPU an
+    instead of ~1e-15. fp64 is the dtype of the CPU exactness tests (docs/design.md §1), so on CPU an
     fp64 router keeps fp64; fp32 and bf16 models still route in fp32, exactly as on GPU. Not a
     CUDA failure like the other patches: the one place where Megatron hard-codes a precision
     below the model's."""

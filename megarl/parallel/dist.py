@@ -2,7 +2,7 @@
 
 Megatron-core keeps its process groups in module globals (``parallel_state``). megarl reads them
 exactly once, here, into a :class:`ParallelDims`, and passes that object around; code outside
-``megarl/parallel`` never calls ``parallel_state`` itself (DESIGN.md §3).
+``megarl/parallel`` never calls ``parallel_state`` itself (docs/design.md §2).
 
 Launch modes:
 - under torchrun/srun-with-torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set):

@@ -9,7 +9,7 @@ signal delivered to some ranks only, or between two ranks' checks, still stops e
 the same step, where the collective checkpoint needs them all), the loop writes a regular
 checkpoint and returns, and leaving :class:`PreemptSignals` raises :class:`Preempted`: the
 process exits with :data:`EXIT_CODE`. ``megarl train --resume`` continues from that checkpoint and
-ends where the uninterrupted run ends (DESIGN.md §2).
+ends where the uninterrupted run ends (docs/design.md §1).
 
 Handled signals: SIGUSR1 always (its default action would kill the process, losing the work since
 the last checkpoint); SIGTERM too, except in workers of torchrun's agent

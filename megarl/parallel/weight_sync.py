@@ -1,4 +1,4 @@
-"""Weight sync: the trainer's Megatron pieces -> the rollout engine's layout, in buckets (DESIGN.md §3).
+"""Weight sync: the trainer's Megatron pieces -> the rollout engine's layout, in buckets (docs/design.md §2).
 
 Colocated placement (``megarl/parallel/layout.py``): every process holds a trainer piece (its TP
 rank, PP stage and, for MoE experts, EP rank) and a rollout engine (its rollout-TP slice). After

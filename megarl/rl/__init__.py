@@ -1,4 +1,5 @@
-"""RL pieces that need no model: the synthetic task, tokenizers, rewards, GRPO losses, data."""
+"""RL pieces that need no model and no process group: tasks and datasets, tokenizers, rewards
+and the sandbox for model-written code, GRPO losses and the step's batch/loss builder."""
 from megarl.rl.data import exact_answer_reward, extract_answer, load_jsonl_prompts
 from megarl.rl.grpo import group_advantages, grpo_loss, kl_k3, sft_loss
 from megarl.rl.task import (ANSWER_MARKER, SEPARATORS, AdditionTask, EntropyEstimate, Problem, TaskConfig,

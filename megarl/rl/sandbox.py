@@ -2,40 +2,56 @@
 
 Threat model: the code comes from the policy being trained, so it is arbitrary and sometimes
 pathological, but not a targeted attack. It may loop forever, allocate 10 GB, write a huge file,
-print without end, fork children, open sockets, or crash. None of that may hang or crash the
-trainer, leak its secrets, or reach the network; each call ends in bounded time with a
-``SandboxResult`` that says what happened. This is resource containment, *not* a security
-boundary against a determined attacker (for that use a VM, gVisor or nsjail); in particular run
-the trainer as an unprivileged user: limits that root applies to itself it can often lift.
+print without end, fork children, open sockets, read or write files outside its folder, or crash.
+None of that may hang or crash the trainer, leak its secrets, reach the network or leave anything
+behind; each call ends in bounded time with a ``SandboxResult`` that says what happened. Our
+users run model-written code at scale, so containment is the default where the machine allows
+it; it is still no defence against a kernel exploit (for that use a VM or gVisor).
 
-What each part guards:
+Containment (``sandbox_containment()``, probed once per process):
 
-- fresh interpreter ``sys.executable -I -S -B``: no user site, no ``PYTHON*`` variables, no
+- ``"bwrap"`` (bubblewrap installed and working: Debian package ``bubblewrap``): the program runs
+  in new user, mount, PID, network, IPC and UTS namespaces (megarl/rl/sandbox_bwrap.py says
+  exactly what it sees). It cannot write outside its temporary folder (read-only root, a private
+  size-limited ``/tmp``), cannot read the trainer's files (only ``/usr`` and the Python
+  installation are mounted: no ``/etc/shadow``, home, run directory or virtualenv), and no
+  descendant survives it (when its PID namespace's init dies the kernel kills every process in
+  it, ``setsid()`` grandchildren included).
+- ``"netns"`` / ``"audit-hook"`` (no usable bwrap): the program runs as the trainer's user with
+  the limits below and network isolation only (``sandbox_network_isolation``). It CAN write
+  anywhere the trainer can, read any file the trainer can, and a grandchild that calls
+  ``setsid()`` leaves the process group and outlives the call; run as root, it can lift the
+  limits root applies to itself (``netns`` takes its capabilities away). One warning says so at
+  the first probe; install bubblewrap to close these.
+
+What each part guards in every mode:
+
+- fresh interpreter ``python -I -S -B``: no user site, no ``PYTHON*`` variables, no
   current directory on ``sys.path``, no site-packages (stdlib only), no ``.pyc`` writes.
 - fresh temporary working directory, deleted afterwards (``HOME`` and ``TMPDIR`` point there too),
   so files the program writes do not pile up or collide between concurrent runs.
-- minimal environment (``PATH``, locale, ``HOME``/``TMPDIR``): the trainer's tokens and keys
-  are not inherited.
+- minimal environment (``PATH``, locale, ``HOME``/``TMPDIR``; bwrap adds ``PWD``): the trainer's
+  tokens and keys are not inherited.
 - ``SandboxLimits.timeout_s`` (wall clock, enforced by the parent): infinite loops, sleeps and
   blocked reads. On expiry the whole process group gets SIGKILL (the child leads its own session,
-  ``start_new_session=True``), so forked grandchildren die too. The group is killed after a
-  normal exit as well: nothing the program started outlives the call. A grandchild that calls
-  ``setsid()`` itself leaves the group and escapes this (a PID namespace or cgroup would catch it).
+  ``start_new_session=True``), so forked grandchildren die too (under bwrap: its PID namespace
+  with them). The group is killed after a normal exit as well: nothing the program started
+  outlives the call, except, without bwrap, a grandchild that left the group with ``setsid()``.
 - ``cpu_s`` (RLIMIT_CPU): CPU burnt by one process, a backstop for the wall clock (SIGXCPU).
 - ``memory_mb`` (RLIMIT_AS, address space): ``bytearray(10 * 1024**3)`` fails with MemoryError
   instead of pushing the node into swap or the OOM killer. It is per process, not per group.
 - ``file_size_mb`` (RLIMIT_FSIZE): the largest file any process may write (Python ignores
-  SIGXFSZ, so a write past it fails with EFBIG).
+  SIGXFSZ, so a write past it fails with EFBIG). Under bwrap it also caps the private ``/tmp``
+  and ``/dev/shm`` (each a tmpfs of that size: they live in memory).
 - ``max_output_bytes``: stdout and stderr are read incrementally and only their first
   ``max_output_bytes`` are kept; the rest is drained and dropped, so a print flood neither
   blocks the child on a full pipe nor grows the trainer's memory.
 - RLIMIT_CORE = 0: crashes write no core files.
-- network: see ``sandbox_network_isolation``.
 
 Not limited: the number of processes. RLIMIT_NPROC counts *every* task (threads included) of
 the real user id across the machine, so a cap low enough to stop a fork bomb would make the
 sandbox fail to start beside a trainer with hundreds of threads, and root ignores it anyway;
-the wall-clock kill of the process group is what ends a fork bomb.
+the wall-clock kill of the process group (or PID namespace) is what ends a fork bomb.
 
 How a result is classified (``SandboxResult.status``):
 ``ok`` exit 0; ``error`` other exit code (exception, failed assert, ``sys.exit(1)``);
@@ -44,21 +60,22 @@ MemoryError; ``file_size`` an uncaught EFBIG OSError or SIGXFSZ (a non-Python gr
 ``killed`` any other signal (SIGSEGV, SIGKILL from the OOM killer or the hard CPU limit, ...).
 The memory and file-size cases are reported by the bootstrap through reserved exit codes
 (``EXIT_MEMORY``, ``EXIT_FILE_SIZE``), so a program that exits with those codes on purpose is
-classified that way; it is not ``ok`` either way.
+classified that way; it is not ``ok`` either way. Under bwrap, a death by signal N reaches us as
+exit code 128 + N (bwrap's convention) and is reported as ``-N``: a program that exits with
+129..192 on purpose reads as killed by a signal.
 
 Thread safety: every call makes its own subprocess, directory, pipes and selector, and nothing
-global is mutated except the once-computed isolation probe (under a lock); calls from many
+global is mutated except the once-computed probes (under a lock); calls from many
 threads at once are fine. No ``preexec_fn`` is used (it can deadlock a multi-threaded parent):
 limits and isolation are applied by a small bootstrap in the child itself.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import logging
 import math
 import numbers
 import os
-import selectors
 import shutil
 import signal
 import stat
@@ -70,82 +87,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-EXIT_MEMORY = 211
-"""Exit code the bootstrap uses for an uncaught MemoryError."""
-EXIT_FILE_SIZE = 212
-"""Exit code the bootstrap uses for an uncaught OSError(EFBIG) (write past RLIMIT_FSIZE)."""
+from megarl.rl import sandbox_bwrap
+from megarl.rl.sandbox_boot import BOOTSTRAP, EXIT_FILE_SIZE, EXIT_MEMORY
+from megarl.rl.sandbox_io import DRAIN_GRACE_S, Output, kill_group, pump_to_eof, pump_until_exit
+
+log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "error", "timeout", "memory", "file_size", "killed")
 
 _MAIN = "main.py"
-_DRAIN_GRACE_S = 1.0   # after the child is gone, how long to wait for the pipes to reach EOF
-_POLL_S = 0.05          # exit polling period when pidfd_open is unavailable
-_READ_CHUNK = 1 << 20
-_PIPE_SIZE = 1 << 20    # a bigger pipe means fewer wake-ups while draining a print flood
 _ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-# Runs first in the child (``python -I -S -B -c _BOOTSTRAP mode mem cpu fsize``): network
-# isolation, resource limits, then the program from main.py as ``__main__``. Kept to the stdlib
-# and free of names the program could collide with (it runs in a fresh module namespace).
-_BOOTSTRAP = r'''
-import sys
-def _megarl_boot():
-    import errno, linecache, os, resource, traceback, types
-    mode, mem, cpu, fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    net = None
-    if mode == "netns":
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            # CLONE_NEWUSER | CLONE_NEWNET: an empty network namespace (loopback only, down),
-            # entered without privileges via a user namespace, which also leaves the program
-            # no capabilities in the parent namespace (it cannot raise hard limits or setns back).
-            if libc.unshare(0x10000000 | 0x40000000) == 0:
-                net = "netns"
-        except Exception:
-            pass
-    if net is None:
-        blocked = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle"}
-        def hook(event, args, _blocked=blocked):
-            if event.startswith("socket.") or event in _blocked:
-                raise PermissionError(f"sandbox: {event} is not allowed (no network, no exec)")
-        sys.addaudithook(hook)
-    def lower(which, soft, hard):
-        _, cur_hard = resource.getrlimit(which)
-        if cur_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-        resource.setrlimit(which, (soft, hard))
-    lower(resource.RLIMIT_CORE, 0, 0)
-    lower(resource.RLIMIT_CPU, cpu, cpu + 1)
-    lower(resource.RLIMIT_FSIZE, fsize, fsize)
-    with open("main.py", encoding="utf-8") as f:
-        src = f.read()
-    os.remove("main.py")
-    linecache.cache["main.py"] = (len(src), None, src.splitlines(True), "main.py")
-    lower(resource.RLIMIT_AS, mem, mem)
-    mod = types.ModuleType("__main__")
-    mod.__file__ = "main.py"
-    sys.modules["__main__"] = mod
-    sys.argv = ["main.py"]
-    try:
-        exec(compile(src, "main.py", "exec"), mod.__dict__)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        code = 1
-        if isinstance(e, MemoryError):
-            code = %(mem_code)d
-        elif isinstance(e, OSError) and e.errno == errno.EFBIG:
-            code = %(fsize_code)d
-        try:
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        except BaseException:
-            pass
-        sys.exit(code)
-_megarl_boot()
-''' % {"mem_code": EXIT_MEMORY, "fsize_code": EXIT_FILE_SIZE}
-
 
 @dataclass
 class SandboxLimits:
@@ -179,6 +130,11 @@ def _check_int(name: str, value, minimum: int, unit: str) -> None:
         raise ValueError(f"SandboxLimits.{name} must be an integer >= {minimum} ({unit}), got {value!r}")
 
 
+class SandboxUnavailable(RuntimeError):
+    """The sandbox itself could not start (not something the program did): ``run_python``
+    raises it rather than report a failing program (a ``RewardPool`` counts it as an error)."""
+
+
 @dataclass
 class SandboxResult:
     """What happened to one program."""
@@ -202,18 +158,36 @@ class SandboxResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# network isolation probe
+# containment and network isolation probes
 
-_isolation: str | None = None
-_isolation_lock = threading.Lock()
+_probed: dict[str, str] = {}
+_probe_lock = threading.Lock()
+
+
+def sandbox_containment() -> str:
+    """How sandboxed programs are contained on this machine, probed once per process (module
+    docstring): ``"bwrap"`` (filesystem, PID and network namespaces), else ``"netns"`` or
+    ``"audit-hook"`` (network isolation only; the first probe then logs one warning naming what
+    is not contained and how to fix it). Call it at start to get that warning early; otherwise
+    the first ``run_python`` does."""
+    with _probe_lock:
+        if "containment" not in _probed:
+            bwrap_problem = _probe_bwrap()
+            if bwrap_problem is None:
+                _probed["containment"] = "bwrap"
+            else:
+                _probed["containment"] = _legacy_isolation_locked()
+                log.warning(_not_contained_warning(bwrap_problem, _probed["containment"]))
+        return _probed["containment"]
 
 
 def sandbox_network_isolation() -> str:
-    """How sandboxed programs are kept off the network on this machine, probed once per process:
+    """How sandboxed programs are kept off the network on this machine:
 
-    - ``"netns"``: the child enters a new, empty network namespace (unprivileged
-      ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` via ctypes in the bootstrap). Only a loopback
-      device that is down exists, so connects fail with ENETUNREACH and DNS fails; this holds for
+    - ``"netns"``: the child runs in a new, empty network namespace: bubblewrap's
+      (``sandbox_containment() == "bwrap"``: loopback only, up) or one the bootstrap enters with
+      unprivileged ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` via ctypes (loopback down). Connects
+      to anything outside fail (ENETUNREACH / ECONNREFUSED) and DNS fails; this holds for
       grandchildren and for code that bypasses Python (ctypes, a ``curl`` binary). The user
       namespace also strips the program's capabilities in the parent namespace.
     - ``"audit-hook"`` (fallback where user namespaces are disabled): a ``sys.addaudithook``
@@ -227,14 +201,22 @@ def sandbox_network_isolation() -> str:
     If ``unshare`` fails in one child after the probe said ``"netns"`` (e.g. a namespace quota),
     that child installs the audit hook instead; a program never runs with neither.
     """
-    global _isolation
-    with _isolation_lock:
-        if _isolation is None:
-            _isolation = _probe_isolation()
-        return _isolation
+    return "audit-hook" if sandbox_containment() == "audit-hook" else "netns"
 
 
-def _probe_isolation() -> str:
+def _legacy_isolation() -> str:
+    """What the bootstrap alone achieves without bubblewrap: ``"netns"`` or ``"audit-hook"``."""
+    with _probe_lock:
+        return _legacy_isolation_locked()
+
+
+def _legacy_isolation_locked() -> str:
+    if "legacy" not in _probed:
+        _probed["legacy"] = _probe_netns()
+    return _probed["legacy"]
+
+
+def _probe_netns() -> str:
     try:
         ours = os.readlink("/proc/self/ns/net")
         probe = 'import os; print(os.readlink("/proc/self/ns/net"))'
@@ -244,6 +226,35 @@ def _probe_isolation() -> str:
     except Exception:   # any failure to probe means: use the fallback, never crash the caller
         pass
     return "audit-hook"
+
+
+def _probe_bwrap() -> str | None:
+    """None when bubblewrap runs a probe program in its own PID, mount and network namespaces
+    with a read-only root; else why not, in words."""
+    if sandbox_bwrap.find_bwrap() is None:
+        return "bubblewrap (bwrap) is not installed"
+    kinds = ("pid", "mnt", "net")
+    probe = f"import os\nprint(*[os.readlink('/proc/self/ns/' + k) for k in {kinds!r}], os.access('/', os.W_OK))"
+    try:
+        res = _run(probe, "", SandboxLimits(timeout_s=20.0), mode="bwrap")
+    except Exception as exc:   # never crash the caller: fall back and say why
+        return f"bwrap failed: {exc}"
+    ours = [os.readlink(f"/proc/self/ns/{k}") for k in kinds]
+    seen = res.stdout.split()
+    if not res.ok or len(seen) != 4 or any(a == b for a, b in zip(seen, ours)) or seen[3] != "False":
+        detail = (res.stderr.strip().splitlines() or [res.stdout.strip() or res.status])[-1]
+        return f"bwrap did not contain a probe program ({res.status}: {detail})"
+    return None
+
+
+def _not_contained_warning(problem: str, isolation: str) -> str:
+    net = ("an empty network namespace" if isolation == "netns"
+           else "an audit hook against sockets and exec (best effort)")
+    return (f"megarl sandbox: {problem}. Model-written programs run with time, CPU, memory and file-size "
+            f"limits and {net}, but are NOT contained: they can write anywhere this process can, read any "
+            f"file it can (the run directory, the home directory; /etc/shadow when run as root), and a "
+            f"grandchild that calls setsid() outlives the call. Install bubblewrap to contain them "
+            f"(Debian/Ubuntu: apt-get install bubblewrap; needs unprivileged user namespaces).")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,18 +290,19 @@ def _notify(result: SandboxResult) -> None:
 
 def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh isolated interpreter under ``limits`` (default
-    ``SandboxLimits()``), feeding it ``stdin``; never raises for anything the program does.
+    ``SandboxLimits()``), feeding it ``stdin``; never raises for anything the program does (only
+    ``SandboxUnavailable`` when bubblewrap itself fails to start).
     Blocks for at most about ``limits.timeout_s`` + 1 s."""
     limits = limits if limits is not None else SandboxLimits()
-    mode = "netns" if sandbox_network_isolation() == "netns" else "audit-hook"
-    result = _run(code, stdin, limits, mode=mode)
+    result = _run(code, stdin, limits, mode=sandbox_containment())
     _notify(result)
     return result
 
 
 def _run(code: str, stdin: str, limits: SandboxLimits, mode: str) -> SandboxResult:
-    """``run_python`` with the isolation ``mode`` ("netns": try the namespace, fall back to the
-    hook; "audit-hook": hook only) given explicitly (tests use it to exercise the fallback)."""
+    """``run_python`` with the containment ``mode`` given explicitly (tests use it to exercise
+    each): "bwrap" (bubblewrap's namespaces), "netns" (the bootstrap tries a network namespace,
+    falling back to the hook), "audit-hook" (hook only)."""
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     try:
         with open(os.path.join(workdir, _MAIN), "w", encoding="utf-8") as f:
@@ -314,10 +326,17 @@ def _stdin_file(stdin: str):
         yield f
 
 
-def _command(limits: SandboxLimits, mode: str) -> list[str]:
+def _command(limits: SandboxLimits, mode: str, workdir: str) -> list[str]:
     mb = 1 << 20
-    return [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode,
-            str(limits.memory_mb * mb), str(limits.cpu_s), str(limits.file_size_mb * mb)]
+    python = [sys.executable, "-I", "-S", "-B", "-c", BOOTSTRAP, mode,
+              str(limits.memory_mb * mb), str(limits.cpu_s), str(limits.file_size_mb * mb)]
+    if mode != "bwrap":
+        return python
+    bwrap = sandbox_bwrap.find_bwrap()
+    if bwrap is None:
+        raise SandboxUnavailable("bubblewrap (bwrap) is no longer installed; it was when the sandbox was probed")
+    python[0] = sandbox_bwrap.python_executable()
+    return sandbox_bwrap.bwrap_command(bwrap, workdir, limits.file_size_mb * mb) + python
 
 
 def _environment(workdir: str) -> dict[str, str]:
@@ -326,127 +345,32 @@ def _environment(workdir: str) -> dict[str, str]:
 
 def _spawn_and_wait(workdir: str, stdin_f, limits: SandboxLimits, mode: str) -> SandboxResult:
     start = time.monotonic()
-    proc = subprocess.Popen(_command(limits, mode), cwd=workdir, env=_environment(workdir), stdin=stdin_f,
+    proc = subprocess.Popen(_command(limits, mode, workdir), cwd=workdir, env=_environment(workdir), stdin=stdin_f,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
     try:
-        out = _Output(limits.max_output_bytes)
-        timed_out = _pump_until_exit(proc, out, start + limits.timeout_s)
+        out = Output(limits.max_output_bytes)
+        timed_out = pump_until_exit(proc, out, start + limits.timeout_s)
         seconds = time.monotonic() - start
-        _kill_group(proc.pid)   # timeout, or stragglers after a normal exit
-        _pump_to_eof(proc, out, time.monotonic() + _DRAIN_GRACE_S)
+        kill_group(proc.pid)   # timeout, or stragglers after a normal exit
+        pump_to_eof(proc, out, time.monotonic() + DRAIN_GRACE_S)
         returncode = proc.wait()
     except BaseException:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         proc.kill()
         proc.wait()
         raise
     finally:
         proc.stdout.close()
         proc.stderr.close()
+    if mode == "bwrap" and not timed_out:
+        if returncode == 1 and out.text(1).startswith("bwrap: ") and os.path.exists(os.path.join(workdir, _MAIN)):
+            # bwrap itself failed (the bootstrap, which deletes main.py before the program runs, never ran):
+            # an infrastructure error, not a failing program, so it must not read as reward 0.
+            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {out.text(1).strip()}")
+        returncode = sandbox_bwrap.exit_status(returncode)
     return SandboxResult(status=_classify(returncode, timed_out), returncode=None if timed_out else returncode,
                          stdout=out.text(0), stderr=out.text(1),
                          seconds=seconds, truncated=out.truncated)
-
-
-class _Output:
-    """The first ``cap`` bytes of stdout (stream 0) and stderr (stream 1)."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.bufs = (bytearray(), bytearray())
-        self.truncated = False
-
-    def add(self, stream: int, chunk: bytes) -> None:
-        buf = self.bufs[stream]
-        room = self.cap - len(buf)
-        if room > 0:
-            buf += chunk[:room]
-        if len(chunk) > max(room, 0):
-            self.truncated = True
-
-    def text(self, stream: int) -> str:
-        return self.bufs[stream].decode("utf-8", errors="replace")
-
-
-def _pipes(proc: subprocess.Popen) -> dict[int, int]:
-    """fd -> stream index, for the pipes still open."""
-    pipes = {}
-    for i, f in enumerate((proc.stdout, proc.stderr)):
-        if not f.closed:
-            os.set_blocking(f.fileno(), False)
-            with contextlib.suppress(AttributeError, OSError):
-                fcntl.fcntl(f.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-            pipes[f.fileno()] = i
-    return pipes
-
-
-def _pump_until_exit(proc: subprocess.Popen, out: _Output, deadline: float) -> bool:
-    """Read output until the child exits (not reaped: its process group stays valid for
-    ``_kill_group``) or ``deadline`` passes. Returns True on timeout."""
-    pipes = _pipes(proc)
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    with selectors.DefaultSelector() as sel:
-        for fd in pipes:
-            sel.register(fd, selectors.EVENT_READ)
-        if pidfd is not None:
-            sel.register(pidfd, selectors.EVENT_READ)
-        try:
-            while True:
-                if _exited(proc.pid):
-                    return False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return True
-                wait = remaining if pidfd is not None else min(remaining, _POLL_S)
-                for key, _ in sel.select(wait):
-                    if key.fd != pidfd and not _read_once(key.fd, pipes, out):
-                        sel.unregister(key.fd)
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-
-
-def _pump_to_eof(proc: subprocess.Popen, out: _Output, deadline: float) -> None:
-    """After the group is killed: read what is left in the pipes, until EOF or ``deadline`` (a
-    process that escaped the group could hold a pipe open)."""
-    pipes = _pipes(proc)
-    with selectors.DefaultSelector() as sel:
-        for fd in pipes:
-            sel.register(fd, selectors.EVENT_READ)
-        while pipes and (remaining := deadline - time.monotonic()) > 0:
-            for key, _ in sel.select(remaining):
-                if not _read_once(key.fd, pipes, out):
-                    sel.unregister(key.fd)
-                    del pipes[key.fd]
-
-
-def _read_once(fd: int, pipes: dict[int, int], out: _Output) -> bool:
-    """One non-blocking read into ``out``; False at EOF."""
-    try:
-        chunk = os.read(fd, _READ_CHUNK)
-    except BlockingIOError:
-        return True
-    if not chunk:
-        return False
-    out.add(pipes[fd], chunk)
-    return True
-
-
-def _exited(pid: int) -> bool:
-    """Has ``pid`` exited? Does not reap it (WNOWAIT)."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _classify(returncode: int, timed_out: bool) -> str:
@@ -480,5 +404,5 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["EXIT_FILE_SIZE", "EXIT_MEMORY", "STATUSES", "SandboxLimits", "SandboxResult", "recorded_results",
-           "run_python", "sandbox_network_isolation"]
+__all__ = ["EXIT_FILE_SIZE", "EXIT_MEMORY", "STATUSES", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
+           "recorded_results", "run_python", "sandbox_containment", "sandbox_network_isolation"]

@@ -6,7 +6,7 @@ its samples the last time it was seen (previous epochs); an unseen prompt gets t
 prompts seen so far. Placement is longest-predicted-first onto the replica with the least
 predicted work (LPT greedy, within 4/3 of optimal); ties break by position, so it is a pure
 function of (uids, history) and every process computes the same one from the groups it already
-holds. A GRPO group stays on one replica. Placement never changes a sample (DESIGN.md §2: a
+holds. A GRPO group stays on one replica. Placement never changes a sample (docs/design.md §1: a
 token depends on the prompt, seed, step, uid, sample and position, not on the batch).
 """
 from __future__ import annotations

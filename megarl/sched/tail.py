@@ -15,7 +15,7 @@ Elastic rollout TP (``tail.long_rollout_tp``): long rounds are few long response
 bound, so they run on rollout groups of a larger TP (fewer, faster replicas); short rounds keep
 ``parallel.rollout_tp``. Both sets of rollout groups and engines exist from the start; after each
 optimizer step the weight sync fills the engine the next round runs on (megarl/train.py), so a
-switch costs no extra sync. Tokens do not depend on the rollout TP (DESIGN.md §2; tested).
+switch costs no extra sync. Tokens do not depend on the rollout TP (docs/design.md §1; tested).
 
 What is not done: response-level over-provisioning (start more than G samples of a prompt and
 keep the first G to finish) would bias each group towards short responses, i.e. change GRPO's

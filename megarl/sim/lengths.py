@@ -1,7 +1,7 @@
 """Response-length distributions of one RL step: the presets and replays of megarl's own runs.
 
 A step draws P prompts x G samples. Lengths are heavy-tailed in two ways that matter for
-scheduling (DESIGN.md §1): *prompt-level* spread (some prompts are simply harder: all their
+scheduling (docs/design.md §6): *prompt-level* spread (some prompts are simply harder: all their
 samples are long, which is what length-aware placement predicts from history) and *runaway*
 prompts (a few percent whose samples loop until the length cap: the stragglers).
 

@@ -8,7 +8,7 @@ geometric model). A verify forward with ``k`` draft tokens then yields, in expec
 tokens (the accepted prefix plus the target's own token), for ``1 + k`` token rows. The
 simulator runs that expectation as a fluid (a request advances ``tau`` tokens per iteration).
 
-Sources (megarl/spec, DESIGN.md §1) and their default per-token acceptance:
+Sources (megarl/spec, docs/design.md §6) and their default per-token acceptance:
 
 - ``history`` (RhymeRL): suffix match on earlier epochs' responses to the same prompt; only for
   prompts seen before (``history_coverage``). Other noise, so ``alpha`` ~ p(draft) ~ 0.5.

@@ -1,3 +1,5 @@
-"""Speculative rollouts (issue 3): not built yet. The engine decodes one token per forward today;
-the exactness contract it relies on (counter-based noise keyed on the response position) is in
-``megarl/engine/sampler.py``."""
+"""Speculative rollouts, exact by construction (docs/design.md §1.2): draft sources (history,
+group, prompt, bubble: ``sources.py``; the learned drafter: ``drafter*.py``), the policy that
+picks and sizes drafts per request and batch (``speculator.py``, ``bandit.py``) and the suffix
+index behind the history drafts (``suffix_index.py``, C++ twin in ``csrc/``). Verification itself
+is the engine's (megarl/engine/verify.py): it calls the sampler."""

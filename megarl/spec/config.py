@@ -82,7 +82,7 @@ class DrafterConfig:
 @dataclass
 class SpecConfig:
     """Speculative decoding in the rollout engine. Output is token-for-token the output with
-    speculation off (DESIGN.md §2); these settings change speed only."""
+    speculation off (docs/design.md §1); these settings change speed only."""
 
     enabled: bool = False
     """Draft and verify in the rollout engine."""

@@ -9,7 +9,7 @@ feature and the token drafted from it are the next input. The engine hands over,
 the pairs ``(f_i, s[i+1])`` its accepted rows produced (``FeatureRing``); the drafter attends to
 the last ``window`` of them before its chain.
 
-Exactness (DESIGN.md §2): draft token j of request (uid, i) is ``argmax(filter(l/T) + g)``, with
+Exactness (docs/design.md §1): draft token j of request (uid, i) is ``argmax(filter(l/T) + g)``, with
 ``l`` the drafter's logits and ``g`` the counter-based noise of (seed, step, uid, i, position):
 the very noise the target's sampler uses at that position. It is a coupled sample (accepted
 wherever drafter and target agree under the same noise), and verification, unchanged, keeps

@@ -12,7 +12,7 @@ so it appears with the rest of the checkpoint or not at all). It holds:
   are 2.7 MiB). It is kept, not dropped: the next training steps draw from it, so without it the
   resumed drafter would train on other data and its weights (and so its drafts, and so which
   rows each verify forward computes) would differ from the uninterrupted run's; samples would
-  not (DESIGN.md §2). A large target (H=4096, bf16) makes it 0.5 GiB per replica at 64k tokens:
+  not (docs/design.md §1). A large target (H=4096, bf16) makes it 0.5 GiB per replica at 64k tokens:
   lower ``buffer_tokens`` there if checkpoint size matters;
 - ``bandit``: the strategy bandit's statistics (``spec.drafter.strategy=bandit``);
 - ``accept``: the speculator's running per-token acceptance rate of each draft kind. The cost
@@ -99,6 +99,9 @@ def restore_drafter(engine, ckpt: str | Path, replica: int, step: int) -> int:
     if r != replica:
         log.warning("checkpoint %s has drafter state of %d replicas; replica %d resumes from replica %d's",
                     ckpt, len(saved), replica, r)
+    from megarl.checkpoint.rl_state import verify_checkpoint
+
+    verify_checkpoint(ckpt, read=[file_name(r)])  # its recorded checksum, before the bytes are trusted
     # Our own file of tensors and plain python values: the safe loader suffices.
     state = torch.load(ckpt / file_name(r), map_location="cpu", weights_only=True)
     load_drafter_state(spec, engine, state)

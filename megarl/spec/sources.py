@@ -2,7 +2,7 @@
 
 Every source answers the same question for a running request: "given the prompt and the tokens
 generated so far, what are the next (up to) k tokens likely to be?". Drafts never change the
-output (verification accepts only what the target samples itself, DESIGN.md §2); a better source
+output (verification accepts only what the target samples itself, docs/design.md §1); a better source
 only saves more target forwards.
 
 - ``history`` (RhymeRL): responses to the same prompt from earlier epochs, in a suffix index per

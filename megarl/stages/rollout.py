@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch.distributed as dist
 
-from megarl.config import RunConfig
+from megarl.rl.rewards import RewardConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
 from megarl.sched.placement import LengthHistory, place
@@ -22,6 +22,57 @@ from megarl.rl.reward_pool import RewardPool
 from megarl.rl.task import Problem
 from megarl.sched.timeline import StepTimeline
 
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled (docs/design.md §1: counter-based Gumbel sampling)."""
+
+    prompts_per_step: int = 8
+    """Prompts (GRPO groups) per RL step."""
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables."""
+    max_new_tokens: int = 256
+    """Longest response; longer ones are cut (finish_reason=length)."""
+    max_batch_size: int = 64
+    """Requests decoded together (continuous batching)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Engine weights/activations dtype."""
+    device: str = "cpu"
+    """Engine device (``cpu`` or ``cuda``)."""
+    kv_cache: Literal["slots", "paged"] = "slots"
+    """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
+    fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
+    prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
+    placement: Literal["round_robin", "length"] = "round_robin"
+    """How a step's prompts are spread over the rollout replicas (multi-process runs):
+    ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
+    response lengths when last seen; megarl/sched/placement.py). Never changes a sample; it can only
+    help once prompts come back (the second epoch over the prompt set)."""
+
+    dump: bool = False
+    """Write every step's samples (prompt uid, sample index, response token ids, reward) to
+    ``RUN_DIR/rollouts.jsonl``, one line per step: for inspecting what the policy generates, and
+    for checking that two runs sampled the same tokens (``megarl bench schedule``)."""
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+
+
+    def engine_config(self, max_seq_len: int):
+        """The rollout engine's ``EngineConfig`` from this section (``max_seq_len``: the model's
+        context length)."""
+        from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
+
+        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
+                            device=self.device, kv_cache=self.kv_cache)
 
 @dataclass
 class Group:
@@ -39,13 +90,14 @@ class RolloutStage:
     replicas are exchanged over ``dp_group`` (rank ``replica`` of it is this group's rank), so every
     process returns every group, in ``uids`` order."""
 
-    def __init__(self, engine: Engine, inputs, cfg: RunConfig, replica: int = 0, replicas: int = 1,
-                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None):
+    def __init__(self, engine: Engine, inputs, rollout: RolloutConfig, reward: RewardConfig, replica: int = 0,
+                 replicas: int = 1, dp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None):
         if not 0 <= replica < replicas:
             raise ValueError(f"rollout replica {replica} is outside 0..{replicas - 1}")
         if replicas > 1 and dp_group is None:
             raise ValueError(f"{replicas} rollout replicas need their data-parallel group (dp_group)")
-        self.engine, self.inputs, self.cfg = engine, inputs, cfg
+        self.engine, self.inputs, self.cfg = engine, inputs, rollout
         self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
@@ -54,11 +106,11 @@ class RolloutStage:
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
-        self.pool = RewardPool(cfg.reward.workers, cfg.reward.sandbox, cfg.reward.adaptive_timeout)
+        self.pool = RewardPool(reward.workers, reward.sandbox, reward.adaptive_timeout)
         self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
         # Prompts the last run() left incomplete (tail batching's keep), with their samples as the stop left them.
         self.aborted: dict[int, list[Result]] = {}
-        r = cfg.rollout
+        r = rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=inputs.tokenizer.stop_ids)
 
@@ -68,11 +120,11 @@ class RolloutStage:
         return self.engine.spec
 
     def _assignment(self, uids: list[int]) -> list[list[int]]:
-        return place(uids, self.replicas, self.cfg.rollout.placement, self.history)
+        return place(uids, self.replicas, self.cfg.placement, self.history)
 
     def requests(self, uids: list[int]) -> list[Request]:
         """The G requests of each prompt in ``uids``, grouped by prompt."""
-        g = self.cfg.rollout.group_size
+        g = self.cfg.group_size
         return [Request(uid=u, sample_idx=i, prompt_ids=self.inputs.prompt_ids[u], params=self.params)
                 for u in uids for i in range(g)]
 
@@ -119,7 +171,7 @@ class RolloutStage:
         if self.replicas > 1:
             results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
-        g = self.cfg.rollout.group_size
+        g = self.cfg.group_size
         groups, self.aborted = [], {}
         for k, u in enumerate(uids):
             res = results[k * g:(k + 1) * g]
@@ -148,7 +200,7 @@ class RolloutStage:
             end.wait()
         shares = [None] * self.replicas
         dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors), group=self.dp_group)
-        g = self.cfg.rollout.group_size
+        g = self.cfg.group_size
         by_index: dict[int, tuple[list[Result], list[float]]] = {}
         for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
             for k, j in enumerate(indices):
@@ -195,7 +247,7 @@ class RolloutStage:
     def groups(self, uids: list[int], results: list[Result]) -> list[Group]:
         """The results of ``requests(uids)`` as GRPO groups, with their rewards scored here, one
         by one (``run`` scores them in the pool as they finish)."""
-        tok, g = self.inputs.tokenizer, self.cfg.rollout.group_size
+        tok, g = self.inputs.tokenizer, self.cfg.group_size
         groups = []
         for k, u in enumerate(uids):
             p, res = self.inputs.problems[u], results[k * g:(k + 1) * g]
@@ -277,7 +329,7 @@ class _Scoring:
 
     def __init__(self, stage: RolloutStage, mine: list[int], on_group, tl: StepTimeline):
         self.stage, self.mine, self.on_group, self.tl = stage, mine, on_group, tl
-        self.g = stage.cfg.rollout.group_size
+        self.g = stage.cfg.group_size
         self.results: list[list[Result | None]] = [[None] * self.g for _ in mine]
         self.futures: list[list] = [[None] * self.g for _ in mine]
         self.done: list[int] = []  # groups whose samples are all out, in finishing order

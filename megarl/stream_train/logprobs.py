@@ -2,10 +2,10 @@
 
 With tensor parallelism each rank holds logits for a contiguous slice of the (padded) vocabulary.
 Megatron's ``vocab_parallel_cross_entropy`` computes the same quantity but always in fp32; this
-version keeps the logits' dtype when it is wider (fp64 exactness tests, DESIGN.md §2) and masks
+version keeps the logits' dtype when it is wider (fp64 exactness tests, docs/design.md §1) and masks
 the vocabulary padding, which Megatron leaves to the padded rows being zero.
 
-Temperature (DESIGN.md §2): the logprobs are those of the distribution the engine samples from,
+Temperature (docs/design.md §1): the logprobs are those of the distribution the engine samples from,
 ``log softmax(logits / T)`` with T = 0 (greedy) read as 1 and top-k/top-p not applied: exactly
 what the engine's ``token_stats`` reports for a sampled token (megarl/engine/sampler.py), so the
 on-policy check compares like with like at every temperature.

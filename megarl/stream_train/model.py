@@ -76,7 +76,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
         masked_softmax_fusion=not cpu,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        # Deterministic reductions: the exactness contract (DESIGN.md §2).
+        # Deterministic reductions: the exactness contract (docs/design.md §1).
         deterministic_mode=True,
         cuda_graph_scope=[],  # the default "full" is deprecated and warns on every build
     )

@@ -1,6 +1,6 @@
 """The policy trainer: Megatron-core GPTModel + DDP + Megatron optimizer, one step per call.
 
-Loss contract (DESIGN.md §2): ``loss_fn`` normalises by the WHOLE step's token (or sample) count,
+Loss contract (docs/design.md §1): ``loss_fn`` normalises by the WHOLE step's token (or sample) count,
 which the caller puts in the batch. The trainer therefore only sums: gradients of micro-batches
 accumulate, data-parallel replicas' gradients are summed (``calculate_per_token_loss`` makes
 Megatron's DDP use scaling factor 1), nothing is divided by the number of micro-batches.
@@ -369,7 +369,7 @@ class Trainer:
         """Reduce the accumulated gradients (DP all-reduce, tied embeddings), multiply them and the
         summed ``loss_fn`` metrics by ``scale``, take the optimizer step. ``scale`` is 1 when
         ``loss_fn`` already divided by the step's count; stream training passes 1/count, the
-        count being known only once the step's last group is in (DESIGN.md §2)."""
+        count being known only once the step's last group is in (docs/design.md §1)."""
         self.gpt.config.finalize_model_grads_func(self.models)
         if scale != 1.0:
             for m in self.models:

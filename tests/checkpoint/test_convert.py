@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from megarl.checkpoint import convert as cv
+from megarl.checkpoint.convert_cli import main_convert
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.models.config import ModelArgs
@@ -125,7 +126,7 @@ def test_vpp_pieces_are_the_stage_shards_and_round_trip(tmp_path, family):
     last chunk; back to HF bitwise."""
     hf = make_hf(family, tmp_path / "hf", num_hidden_layers=4)
     par = dict(parallel(family), vpp=2)
-    report = cv.main_convert(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--no-progress",
+    report = main_convert(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--no-progress",
                               *[a for k, v in par.items() for a in (f"--{k}", str(v))]])
     args = ModelArgs.from_hf_config(json.loads((hf / "config.json").read_text()))
     full = mm.hf_to_mcore(load_hf_state_dict(hf), args)
@@ -165,9 +166,9 @@ def test_bf16_round_trip_keeps_dtype(tmp_path):
 
 def test_cli_round_trip(tmp_path, capsys):
     hf = make_hf("llama", tmp_path / "hf")
-    cv.main_convert(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--tp", "2", "--pp", "2",
+    main_convert(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--tp", "2", "--pp", "2",
                      "--no-progress"])
-    cv.main_convert(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "back"),
+    main_convert(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "back"),
                      "--no-progress"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("converted ") and "MiB/s" in line for line in lines)
@@ -315,6 +316,14 @@ def _edit_meta(ckpt: Path, **fields) -> None:
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
+def _hand_edited(ckpt: Path) -> None:
+    """A folder whose pieces were rewritten by hand, meta.json's checksums dropped with them (else
+    the checksum would report the rewrite first): the structural checks must still catch it."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["checksums"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("breakage,exc,match", [
     (lambda c: (c / "meta.json").write_text("{not json"), ValueError, "meta.json is corrupted"),
     (lambda c: _edit_meta(c, tp="two"), ValueError, "field 'tp' is 'two'"),
@@ -323,8 +332,8 @@ def _edit_meta(ckpt: Path, **fields) -> None:
     (lambda c: (c / "model_tp1_pp1_ep0.safetensors").unlink(), FileNotFoundError,
      r"missing: \['model_tp1_pp1_ep0.safetensors'\]"),
     (lambda c: (c / "meta.json").unlink(), FileNotFoundError, "meta.json is missing"),
-    (lambda c: save_file({"decoder.layers.0.input_layernorm.weight": torch.zeros(48)},
-                         str(c / "model_tp1_pp0_ep0.safetensors")), ValueError,
+    (lambda c: (_hand_edited(c), save_file({"decoder.layers.0.input_layernorm.weight": torch.zeros(48)},
+                                           str(c / "model_tp1_pp0_ep0.safetensors"))), ValueError,
      r"model_tp1_pp0_ep0.safetensors \(tp_rank=1, pp_rank=0, ep_rank=0\) state dict.*missing"),
 ])
 def test_bad_mcore_checkpoint(converted, breakage, exc, match):
@@ -340,6 +349,7 @@ def test_replicated_pieces_must_agree(converted):
     sd = load_file(path)
     sd["decoder.final_layernorm.weight"] = sd["decoder.final_layernorm.weight"] + 1
     save_file(sd, str(path))
+    _hand_edited(converted)
     with pytest.raises(ValueError, match="replicated tensor decoder.final_layernorm.weight of pp_rank=1 differs"):
         cv.mcore_to_hf(converted, converted.parent / "back", progress=False)
     assert nothing_at(converted.parent / "back")

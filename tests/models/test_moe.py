@@ -292,7 +292,7 @@ def test_expert_parallel_errors():
 
 def test_engine_rollouts_of_an_moe_model_are_batch_invariant():
     """The engine runs Qwen3-MoE (packed rows, KV cache) and a request's tokens and logprobs do not
-    depend on the requests batched with it (DESIGN.md §2), in float64."""
+    depend on the requests batched with it (docs/design.md §1), in float64."""
     from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 
     model = ours_from(hf_model("qwen3_moe", True))

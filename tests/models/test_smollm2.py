@@ -183,7 +183,7 @@ def test_speculation_is_exact_on_smollm2(smollm2_dir, temperature, top_p):
     plain = Engine(model, ecfg, seed=7)
     spec = Engine(copy.deepcopy(model), ecfg, seed=7, spec=Speculator(cfg.spec))
     drafter = Engine(copy.deepcopy(model), ecfg, seed=7, spec=Speculator(dcfg.spec))
-    requests = RolloutStage(plain, inputs, cfg).requests([0, 1, 2, 3])
+    requests = RolloutStage(plain, inputs, cfg.rollout, cfg.reward).requests([0, 1, 2, 3])
     g = torch.Generator().manual_seed(0)
     for step in (0, 1):
         if step == 1:

@@ -43,7 +43,7 @@ def _stage(reward_fn, workers=2):
     inputs.reward_fn = reward_fn
     engine = Engine(_policy_with_entropy(inputs.args), EngineConfig(max_batch_size=24, max_seq_len=128,
                                                                       dtype="float64"), seed=3)
-    return RolloutStage(engine, inputs, cfg)
+    return RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
 
 
 def test_failing_rewards_score_zero_are_counted_and_the_rollout_goes_on():

@@ -1,23 +1,39 @@
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from megarl.rl import sandbox as sb
-from megarl.rl.sandbox import (EXIT_FILE_SIZE, EXIT_MEMORY, SandboxLimits, recorded_results, run_python,
-                               sandbox_network_isolation)
+from megarl.rl import sandbox_bwrap
+from megarl.rl.sandbox import (EXIT_FILE_SIZE, EXIT_MEMORY, SandboxLimits, SandboxUnavailable, recorded_results,
+                               run_python, sandbox_containment, sandbox_network_isolation)
 
-MODES = ["netns", "audit-hook"]
+LEGACY_MODES = ["netns", "audit-hook"]   # no PID namespace: pids printed inside are the host's
+MODES = ["bwrap", *LEGACY_MODES]
+# CI installs bubblewrap (.ci/run): there the contained mode must run, not skip.
+REQUIRE_BWRAP = os.environ.get("MEGARL_REQUIRE_BWRAP") == "1"
+
+
+def _skip_unless(mode):
+    if mode == "bwrap" and sandbox_containment() != "bwrap":
+        if REQUIRE_BWRAP:
+            pytest.fail("MEGARL_REQUIRE_BWRAP=1 but bubblewrap cannot contain programs here")
+        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    if mode == "netns" and sb._legacy_isolation() != "netns":
+        pytest.skip("user + network namespaces are not available here")
 
 
 def _run_mode(mode, code, limits=None, stdin=""):
-    """Run under an explicit isolation mode; netns is skipped where this machine cannot do it."""
-    if mode == "netns" and sandbox_network_isolation() != "netns":
-        pytest.skip("user + network namespaces are not available here")
+    """Run under an explicit containment mode; skipped where this machine cannot do it."""
+    _skip_unless(mode)
     return sb._run(code, stdin, limits or SandboxLimits(), mode=mode)
 
 
@@ -77,7 +93,7 @@ def test_runs_as_main_with_stdlib_only():
     assert res.stdout.split("\n")[:2] == ["__main__ [1] False", "no numpy"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LEGACY_MODES)
 def test_infinite_loop_times_out_and_process_group_dies(mode):
     t0 = time.monotonic()
     res = _run_mode(mode, _FORK_GRANDCHILD.format(rest="while True:\n    pass"), SandboxLimits(timeout_s=1.0))
@@ -90,9 +106,10 @@ def test_infinite_loop_times_out_and_process_group_dies(mode):
     assert _wait_dead(grandchild), f"grandchild {grandchild} survived the timeout"
 
 
-def test_normal_exit_also_kills_leftover_children_without_waiting_for_them():
+@pytest.mark.parametrize("mode", LEGACY_MODES)
+def test_normal_exit_also_kills_leftover_children_without_waiting_for_them(mode):
     t0 = time.monotonic()
-    res = run_python(_FORK_GRANDCHILD.format(rest="sys.exit(0)"), limits=SandboxLimits(timeout_s=10.0))
+    res = _run_mode(mode, _FORK_GRANDCHILD.format(rest="sys.exit(0)"), SandboxLimits(timeout_s=10.0))
     assert res.status == "ok"
     assert time.monotonic() - t0 < 3.0, "waited for the grandchild holding the pipes"
     assert _wait_dead(int(res.stdout.split()[0]))
@@ -153,7 +170,9 @@ def test_socket_to_a_local_listener_never_connects(mode):
         res = _run_mode(mode, code)
         assert res.status != "ok"
         assert "connected" not in res.stdout
-        assert ("PermissionError" if mode == "audit-hook" else "OSError") in res.stderr
+        # audit hook: refused in Python; netns: loopback down; bwrap: its own loopback, no listener
+        want = {"audit-hook": "PermissionError", "netns": "OSError", "bwrap": "ConnectionRefusedError"}[mode]
+        assert want in res.stderr
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()
@@ -172,13 +191,14 @@ def test_dns_and_http_to_external_hosts_fail(mode):
     assert res.stdout.startswith("dns ") and "\nhttp " in res.stdout
 
 
-def test_netns_also_covers_programs_that_bypass_python():
+@pytest.mark.parametrize("mode", ["bwrap", "netns"])
+def test_netns_also_covers_programs_that_bypass_python(mode):
     # a grandchild binary would not carry an audit hook; in a network namespace it has no route either
     code = ("import subprocess, sys\n"
             "r = subprocess.run([sys.executable, '-c', "
             "'import socket; socket.create_connection((\"1.1.1.1\", 53), timeout=2)'], capture_output=True)\n"
             "print(r.returncode, r.stderr.decode().strip().splitlines()[-1])")
-    res = _run_mode("netns", code, SandboxLimits(timeout_s=10.0))
+    res = _run_mode(mode, code, SandboxLimits(timeout_s=10.0))
     assert res.ok, res.stderr
     assert res.stdout.startswith("1 ") and "unreachable" in res.stdout
 
@@ -252,7 +272,8 @@ def test_environment_is_not_inherited(monkeypatch):
     res = run_python("import os\nprint(sorted(os.environ))\nprint(os.environ.get('MEGARL_FAKE_SECRET'))")
     assert res.ok
     assert "hunter2-token" not in res.stdout and "MEGARL_FAKE_SECRET" not in res.stdout
-    assert res.stdout.splitlines() == ["['HOME', 'LANG', 'LC_ALL', 'PATH', 'TMPDIR']", "None"]
+    names = ["HOME", "LANG", "LC_ALL", "PATH", *(["PWD"] if sandbox_containment() == "bwrap" else []), "TMPDIR"]
+    assert res.stdout.splitlines() == [str(names), "None"]
 
 
 def test_program_cannot_raise_its_limits_in_a_user_namespace():
@@ -306,4 +327,168 @@ def test_unshare_probe_agrees_with_the_shell():
     except (FileNotFoundError, subprocess.TimeoutExpired):
         pytest.skip("no unshare binary")
     if shell_ok:
+        assert sb._legacy_isolation() == "netns"
         assert sandbox_network_isolation() == "netns"
+
+
+# ----------------------------------------------------------------------------------------------
+# containment (issue 24 item 7): each escape below works without bubblewrap (the tests fail when
+# run_python falls back to "netns"), and is contained with it.
+
+def _processes_with(marker: str) -> list[int]:
+    """Host pids of live processes whose command line contains ``marker``."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read() and _alive(int(d)):
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def test_writes_outside_the_workdir_are_contained(tmp_path):
+    _skip_unless("bwrap")
+    nonce = secrets.token_hex(8)
+    targets = [tmp_path / "escaped", Path.cwd() / f".megarl-escaped-{nonce}", Path(f"/tmp/megarl-escaped-{nonce}"),
+               Path.home() / f".megarl-escaped-{nonce}", Path(sys.prefix) / f"escaped-{nonce}"]
+    code = ("import os\nwritten = []\n"
+            f"for p in {[str(t) for t in targets]!r} + ['mine.txt']:\n"
+            "    try:\n        open(p, 'w').write('x')\n        written.append(p)\n"
+            "    except OSError as e:\n        print(p, e.strerror)\n"
+            "print('WROTE', written)")
+    try:
+        res = run_python(code)
+        assert res.ok, res.stderr
+        assert not [t for t in targets if t.exists()], res.stdout
+        # only its own folder and its private /tmp (gone with the sandbox; read-only on bwrap < 0.5) were writable
+        private_tmp = [str(targets[2])] if sandbox_bwrap.supports(sandbox_bwrap.find_bwrap(), "--size") else []
+        assert res.stdout.splitlines()[-1] == f"WROTE {private_tmp + ['mine.txt']}"
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+
+
+def test_trainer_files_are_not_readable(tmp_path):
+    _skip_unless("bwrap")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    home = Path.home()
+    home_file = next((p for p in sorted(home.iterdir()) if p.is_file()), None)
+    hidden_site = sandbox_bwrap._site_packages()
+    paths = [str(secret), "/etc/shadow", "/etc/passwd", str(Path.cwd() / "README.md"), sys.prefix,
+             *([str(home_file)] if home_file else []), *hidden_site]
+    code = ("import os\n"
+            f"for p in {paths!r}:\n"
+            "    try:\n"
+            "        got = os.listdir(p) if os.path.isdir(p) else open(p).read()\n"
+            "        print('SEEN' if got else 'EMPTY', p)\n"
+            "    except OSError as e:\n"
+            "        print('DENIED', p)\n"
+            f"print(sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else [])\n")
+    res = run_python(code)
+    assert res.ok, res.stderr
+    *lines, home_listing = res.stdout.splitlines()
+    seen = dict(reversed(line.split(" ", 1)) for line in lines)
+    assert {p: seen[p] for p in paths} == {**{p: "DENIED" for p in paths}, **{p: "EMPTY" for p in hidden_site}}
+    assert "hunter2" not in res.stdout
+    # the home shows at most the way to the Python installation (here ~/.pyenv), nothing else
+    python_root = Path(sandbox_bwrap.python_executable()).resolve()
+    allowed = [python_root.relative_to(home).parts[0]] if python_root.is_relative_to(home) else []
+    assert home_listing == str(allowed)
+
+
+@pytest.mark.parametrize("ending", ["exit", "timeout"])
+def test_setsid_grandchild_does_not_outlive_the_program(tmp_path, ending):
+    """A grandchild that leaves the process group (setsid), sleeps, then writes a file: without a
+    PID namespace it survives the group kill and writes it; in one it dies with the program."""
+    _skip_unless("bwrap")
+    nonce = f"megarl-survivor-{secrets.token_hex(8)}"
+    late = tmp_path / "late"
+    sleeper = f"import time; time.sleep(2.5); open({str(late)!r}, 'w').write('escaped')"
+    code = ("import os, sys, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', {sleeper!r}, {nonce!r}])\n"
+            "time.sleep(0.3)\nprint('started', flush=True)\n"
+            + ("time.sleep(60)\n" if ending == "timeout" else ""))
+    t0 = time.monotonic()
+    try:
+        res = run_python(code, limits=SandboxLimits(timeout_s=1.0 if ending == "timeout" else 10.0))
+        assert res.status == ("timeout" if ending == "timeout" else "ok"), res.stderr
+        assert res.stdout == "started\n"
+        deadline = time.monotonic() + 0.5   # the kernel kills a PID namespace before its init is reaped
+        while _processes_with(nonce) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.monotonic() - t0 < 2.0, "too slow to tell a survivor from a sleeper"
+        assert _processes_with(nonce) == [], "the setsid grandchild outlived the sandbox"
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))   # past the moment it would have written
+        assert not late.exists()
+    finally:
+        for pid in _processes_with(nonce):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_normal_program_still_passes_when_contained():
+    _skip_unless("bwrap")
+    code = ("import json, multiprocessing, os, subprocess, sys, tempfile\n"
+            "with tempfile.NamedTemporaryFile('w', delete=False) as f:\n    f.write('data')\n"
+            "open('/tmp/scratch', 'w').write('ok')\n"
+            "r = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True)\n"
+            "with multiprocessing.Pool(2) as pool:\n    squares = pool.map(abs, [-1, -2])\n"
+            "print(json.dumps([open(f.name).read(), open('/tmp/scratch').read(), r.stdout.strip(), squares]))")
+    res = run_python(code, limits=SandboxLimits(timeout_s=20.0))
+    assert res.ok, res.stderr
+    assert res.stdout == '["data", "ok", "42", [1, 2]]\n'
+    from megarl.rl.reward_pool import python_tests_reward
+    assert python_tests_reward("```python\ndef add(a, b):\n    return a + b\n```", "assert add(2, 3) == 5") == 1.0
+    assert python_tests_reward("```python\ndef add(a, b):\n    return a - b\n```", "assert add(2, 3) == 5") == 0.0
+
+
+def test_private_tmp_is_capped_and_memory_limit_holds_in_bwrap():
+    _skip_unless("bwrap")
+    if not sandbox_bwrap.supports(sandbox_bwrap.find_bwrap(), "--size"):
+        pytest.skip("bwrap < 0.5 has no --size: /tmp stays read-only")
+    code = ("for i in range(8):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * 2**20)\n    print(i, flush=True)")
+    res = _run_mode("bwrap", code, SandboxLimits(file_size_mb=3, timeout_s=10.0))
+    assert res.status == "error" and "No space left on device" in res.stderr   # a 3 MiB tmpfs, not RAM
+    assert res.stdout.split() == ["0", "1", "2"]   # 3 MiB fit, the 4th does not
+    res = _run_mode("bwrap", "b = bytearray(10 * 1024**3)", SandboxLimits(memory_mb=256))
+    assert (res.status, res.returncode) == ("memory", EXIT_MEMORY)
+
+
+def test_bwrap_exit_status_maps_signals():
+    assert sandbox_bwrap.exit_status(128 + signal.SIGSEGV) == -signal.SIGSEGV
+    assert sandbox_bwrap.exit_status(128 + signal.SIGXCPU) == -signal.SIGXCPU
+    assert [sandbox_bwrap.exit_status(c) for c in (0, 1, 3, 128, EXIT_MEMORY)] == [0, 1, 3, 128, EXIT_MEMORY]
+
+
+def test_bwrap_that_cannot_start_is_an_error_not_a_failing_program(monkeypatch):
+    _skip_unless("bwrap")
+    broken = (*sandbox_bwrap._static_args(), "--ro-bind", "/nonexistent-megarl-path", "/x")
+    monkeypatch.setattr(sandbox_bwrap, "_static_args", lambda: broken)
+    with pytest.raises(SandboxUnavailable, match="bubblewrap could not start the sandbox: bwrap: "):
+        sb._run("print('hi')", "", SandboxLimits(), mode="bwrap")
+
+
+def test_without_bwrap_one_warning_says_what_is_not_contained(monkeypatch, caplog):
+    monkeypatch.setattr(sb, "_probed", {})
+    monkeypatch.setattr(sandbox_bwrap, "find_bwrap", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="megarl.rl.sandbox"):
+        assert sandbox_containment() in LEGACY_MODES
+        assert run_python("print(1)").ok
+        assert sandbox_containment() in LEGACY_MODES
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    for words in ("bubblewrap (bwrap) is not installed", "NOT contained", "write anywhere", "/etc/shadow",
+                  "setsid()", "apt-get install bubblewrap"):
+        assert words in warnings[0]
+
+
+def test_containment_is_bwrap_where_ci_installs_it():
+    if REQUIRE_BWRAP:
+        assert sandbox_containment() == "bwrap"
+    assert sandbox_containment() in ("bwrap", *LEGACY_MODES)
+    assert sandbox_network_isolation() == ("audit-hook" if sandbox_containment() == "audit-hook" else "netns")

@@ -90,7 +90,7 @@ def _setup(dims, temperature, dtype="float32", top_k=0, top_p=1.0, n=4):
     ref = _policy_with_entropy(inputs.args).to(engine.dtype).eval()
     trainer = Trainer(model.args, TrainerConfig(lr=0.0, micro_batch_size=4, dtype=dtype), dims,
                       hf_state=model.hf_state_dict())
-    stage = RolloutStage(engine, inputs, cfg)
+    stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
     groups = stage.run(list(range(n)), step=0)
     stage.close()
     return cfg, inputs, trainer, ref, groups
@@ -209,6 +209,6 @@ def test_sft_trains_at_temperature_1_whatever_the_rollout_temperature():
     fake = types.SimpleNamespace(
         dims=types.SimpleNamespace(rank=0, dp_rank=0, dp=1), set_lr=lambda lr: None,
         train_step=lambda batch, loss_fn, temperature=None: temps.append(temperature) or {"loss": 0.0})
-    sft.run_sft(fake, prepare_inputs(cfg), cfg)
+    sft.run_sft(fake, prepare_inputs(cfg), cfg.sft, cfg.seed)
     assert temps == [1.0, 1.0]
 

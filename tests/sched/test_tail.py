@@ -70,7 +70,7 @@ def _stage(n=8):
     with torch.no_grad():  # EOS as likely as a typical token: response lengths spread out
         model.lm_head.weight[inputs.args.eos_token_id] = model.lm_head.weight[inputs.tokenizer.encode("5")[0]]
     engine = Engine(model, EngineConfig(max_batch_size=24, max_seq_len=128, dtype="float64"), seed=5)
-    return RolloutStage(engine, inputs, cfg), model
+    return RolloutStage(engine, inputs, cfg.rollout, cfg.reward), model
 
 
 def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():

@@ -164,7 +164,7 @@ def test_every_source_exact_on_the_tiny_task(temperature, top_p):
     model = _policy_with_entropy(inputs.args)
     ecfg = EngineConfig(max_batch_size=256, max_seq_len=128, dtype="float64")
     ar, sp = Engine(model, ecfg, seed=7), Engine(copy.deepcopy(model), ecfg, seed=7, spec=Speculator(cfg.spec))
-    requests = RolloutStage(ar, inputs, cfg).requests(list(range(256)))
+    requests = RolloutStage(ar, inputs, cfg.rollout, cfg.reward).requests(list(range(256)))
     assert len(requests) == 1024
     for step in (0, 1):
         if step == 1:
