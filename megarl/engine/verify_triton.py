@@ -252,6 +252,19 @@ def _cutoff(x_row, V: tl.constexpr, t_div, s_max, tk, ck, target, on, USE_Q: tl.
     return t, c
 
 
+@triton.jit
+def _scaled_block(x_row, v0, V: tl.constexpr, t_div, IS_F64: tl.constexpr, ID_BITS: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """One block of a row: its token ids, the mask of real ones, the scaled logits ``x / T``, their
+    order keys and the reversed ids that break ties towards the lowest id."""
+    offs = v0 + tl.arange(0, BLOCK_V)
+    m = offs < V
+    s = _scale(tl.load(x_row + offs, mask=m, other=float("-inf")), t_div, IS_F64)
+    key = _order_key(s, IS_F64)
+    idrev = ((1 << ID_BITS) - 1 - offs).to(key.dtype)
+    return offs, m, s, key, idrev
+
+
 # ------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "step_lo"])
 def _verify_kernel(logits_ptr, stride_row, draft_ptr, row_req_ptr, row_start_ptr, temp_ptr, top_k_ptr, top_p_ptr,
@@ -291,11 +304,7 @@ def _verify_kernel(logits_ptr, stride_row, draft_ptr, row_req_ptr, row_start_ptr
     z = tl.zeros([], tl.int64)
     if p_on:
         for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            m = offs < V
-            s = _scale(tl.load(x_row + offs, mask=m, other=float("-inf")), t_div, IS_F64)
-            key = _order_key(s, IS_F64)
-            idrev = ((1 << ID_BITS) - 1 - offs).to(key.dtype)
+            offs, m, s, key, idrev = _scaled_block(x_row, v0, V, t_div, IS_F64, ID_BITS, BLOCK_V)
             z += tl.sum(tl.where(m & _at_or_above(key, idrev, tk, ck), _q(s, s_max), 0), axis=0)
     tp, cp = _cutoff(x_row, V, t_div, s_max, tk, ck, top_p * z.to(tl.float64), p_on, True, IS_F64, KEY_BITS,
                      ID_BITS, BLOCK_V)
@@ -307,11 +316,7 @@ def _verify_kernel(logits_ptr, stride_row, draft_ptr, row_req_ptr, row_start_ptr
     arg = tl.zeros([], tl.int32)
     if sampled:
         for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            m = offs < V
-            s = _scale(tl.load(x_row + offs, mask=m, other=float("-inf")), t_div, IS_F64)
-            key = _order_key(s, IS_F64)
-            idrev = ((1 << ID_BITS) - 1 - offs).to(key.dtype)
+            offs, m, s, key, idrev = _scaled_block(x_row, v0, V, t_div, IS_F64, ID_BITS, BLOCK_V)
             keep = m & _at_or_above(key, idrev, tk, ck) & _at_or_above(key, idrev, tp, cp)
             val = tl.where(keep, s + _gumbel(h_row, offs).to(temp.dtype), float("-inf"))
             bmax = tl.max(val, axis=0)
