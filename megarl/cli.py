@@ -1,12 +1,17 @@
 """``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``, ``report``, ``simulate``.
 
-Bad input (config keys, missing files, malformed data) ends with one ``megarl: error: ...``
-line and exit status 2; no traceback, nothing written.
+Bad input (config keys and ranges, missing or malformed files and data) ends with one
+``megarl: error: ...`` line and exit status 2; no traceback, nothing written (a ``train`` refused
+at the start removes the run directory it created). After the start, ``train`` ends the same way
+on the user errors of a run (``RUN_ERRORS``: its directory is locked or does not fit, a corrupted
+checkpoint) and on a full disk; any other exception keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import io
 import logging
 import os
 import sys
@@ -16,7 +21,77 @@ from megarl.utils.dataclass_config import ConfigError
 
 log = logging.getLogger("megarl")
 
-USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError)
+# Caught while the input is checked, before anything is written (what bad input raises there).
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+               PermissionError, ValueError)
+# A full disk (or quota) anywhere: one line naming the file and the last good checkpoint.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """The user errors ``train()`` may raise after the start: the run directory is locked by
+    another run or does not fit the request, a checkpoint is corrupted (naming the previous good
+    one), a config error. Only these (and a full disk) are caught around ``train()``."""
+    from megarl.checkpoint.rl_state import CheckpointCorrupted
+    from megarl.train import RunDirError
+    from megarl.utils.run_lock import RunDirLocked
+
+    return ConfigError, RunDirError, RunDirLocked, CheckpointCorrupted
+
+
+def _no_space(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC/EDQUOT ``OSError`` that ``exc`` is or was raised from, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _written_path(exc: OSError, run_dir: str | None) -> str:
+    """The file a failed write was writing: the error's own file name, else (``os.write``, a
+    file object's write) the innermost frame's file object open for writing or its ``path``-like
+    local, else the run directory."""
+    if exc.filename is not None:
+        return os.fsdecode(exc.filename)
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        local = frame.f_locals
+        for value in local.values():
+            if isinstance(value, io.IOBase) and any(c in getattr(value, "mode", "") for c in "wax+") \
+                    and isinstance(getattr(value, "name", None), str):
+                return value.name
+        for name in ("path", "tmp", "dst", "target", "final", "filename", "file"):
+            if isinstance(local.get(name), (str, os.PathLike)):
+                return os.fsdecode(local[name])
+    return str(run_dir or os.getcwd())
+
+
+def _no_space_message(exc: OSError, run_dir: str | None) -> str:
+    what = os.strerror(exc.errno).lower()  # "no space left on device" / "disk quota exceeded"
+    if run_dir is None:
+        return f"{what} writing {_written_path(exc, run_dir)}"
+    try:
+        from megarl.checkpoint.rl_state import latest_checkpoint
+
+        good = latest_checkpoint(run_dir, skip_corrupted=True)
+    except Exception:  # noqa: BLE001 - the message must still come out
+        good = None
+    last = f"the last good checkpoint is {good}" if good is not None else "no checkpoint was written yet"
+    return f"{what} writing {_written_path(exc, run_dir)}; {last}"
+
+
+def _fail(exc: BaseException, run_dir: str | None = None) -> int:
+    """Print ``exc`` as the one ``megarl: error:`` line (a full disk as its own message); exit 2."""
+    full = _no_space(exc)
+    msg = _no_space_message(full, run_dir) if full is not None else str(exc) or type(exc).__name__
+    print(f"megarl: error: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run-dir", required=True, help="where metrics.jsonl, checkpoints/ and hf/ are written")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even if the config changes fields that change the run's result "
+                        "(they are logged; without it such a resume is refused, naming them)")
 
     p = sub.add_parser("config", help="print the resolved config (after overrides) and exit")
     _add_config_args(p)
@@ -236,14 +314,29 @@ def configure_logging() -> None:
     quiet.install()
 
 
-def _unlock(lock, fresh: bool) -> None:
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (what a start would create)."""
+    if path.exists() or path.is_symlink():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _unlock(lock, created: Path | None) -> None:
     """A refused start leaves nothing behind: the lock released and, for a run directory this
-    start created, the directory removed (it holds nothing but the lock file)."""
+    start created, the directory removed (it holds nothing but the lock file), with the parent
+    folders the start created for it."""
     lock.release()
-    if fresh:
+    if created is not None:
         lock.path.unlink(missing_ok=True)
+        folder = lock.run_dir
         with contextlib.suppress(OSError):
-            lock.run_dir.rmdir()
+            while True:
+                folder.rmdir()  # only if empty
+                if folder == created or folder.parent == folder:
+                    break
+                folder = folder.parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,16 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.command == "bench" and args.bench == "engine":
         return _bench_engine(args)
-    lock = None
+    lock = created = None
+    run_dir = getattr(args, "run_dir", None)
     if args.command == "train":
         from megarl.utils.run_lock import lock_run_dir
 
-        fresh = not Path(args.run_dir).exists()
+        created = _first_missing(Path(args.run_dir))
         try:  # first of all: a second run on the same directory ends here, before it loads anything
             lock = lock_run_dir(args.run_dir)
-        except USER_ERRORS as e:
-            print(f"megarl: error: {e}", file=sys.stderr)
-            return 2
+        except Exception as e:  # noqa: BLE001 - filtered: user errors and a full disk only
+            if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
+                raise
+            return _fail(e, run_dir)
     from megarl.config import dump_config, load_config
 
     try:
@@ -300,17 +395,25 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.setup_run import prepare_inputs
         from megarl.train import check_run_dir, train
 
+        if args.command == "train":  # (cheap: before the inputs are loaded) the directory fits the request
+            if args.allow_config_change and not args.resume:
+                raise ValueError("--allow-config-change is for --resume (a new run has no config to compare with)")
+            check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
         inputs = prepare_inputs(cfg)
-        if args.command == "train":
-            check_run_dir(Path(args.run_dir), args.resume)
-    except USER_ERRORS as e:  # only input checking is caught: a failure mid-run keeps its traceback
+    except Exception as e:  # noqa: BLE001 - filtered: only input checking's errors and a full disk
+        if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
+            raise
         if lock is not None:
-            _unlock(lock, fresh)
-        print(f"megarl: error: {e}", file=sys.stderr)
-        return 2
+            _unlock(lock, created)
+        return _fail(e, run_dir)
     if args.command == "bench":
         return _bench(args, cfg)
-    train(cfg, args.run_dir, resume=args.resume, inputs=inputs, lock=lock)
+    try:
+        train(cfg, args.run_dir, resume=args.resume, inputs=inputs, lock=lock)
+    except Exception as e:  # noqa: BLE001 - filtered: a run's user errors and a full disk; a bug keeps its traceback
+        if not isinstance(e, _run_errors()) and _no_space(e) is None:
+            raise
+        return _fail(e, run_dir)
     return 0
 
 

@@ -25,7 +25,7 @@ from megarl.sched.tail import TailConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
 from megarl.stream_train.trainer import TrainerConfig
-from megarl.utils.dataclass_config import ConfigError, apply_overrides, from_dict, to_dict
+from megarl.utils.dataclass_config import ConfigError, apply_overrides, check_number, from_dict, to_dict
 from megarl.utils.metrics_log import LoggingConfig
 
 
@@ -68,6 +68,34 @@ class ModelConfig:
     """SwiGLU width of each expert of a fresh MoE model (0: ``intermediate_size``)."""
     norm_topk_prob: bool | None = None
     """Renormalise the top-k router probabilities (None: the family's default, as in HF)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads"):
+            check_number(f"model.{name}", getattr(self, name), ge=1, integer=True)
+        check_number("model.max_position_embeddings", self.max_position_embeddings, ge=2, integer=True,
+                     note="the longest prompt + response")
+        check_number("model.rope_theta", self.rope_theta, gt=0)
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            check_number(f"model.{name}", getattr(self, name), ge=0, integer=True)
+        if self.init_from_hf or self.init_from_mcore:
+            return  # the architecture is the checkpoint's: the fields below are not used
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % kv:
+            raise ValueError(f"model.num_key_value_heads={kv} does not divide model.num_attention_heads={heads}; "
+                             f"valid: a divisor of {heads}")
+        if self.hidden_size % heads or (self.hidden_size // heads) % 2:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is invalid with num_attention_heads={heads}: "
+                             f"each head needs an even width (RoPE rotates pairs); valid: a multiple of {2 * heads}")
+        moe = self.model_type in ("qwen3_moe", "mixtral")
+        if moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"model.model_type={self.model_type} needs 1 <= model.num_experts_per_tok <= "
+                             f"model.num_experts (got num_experts_per_tok={self.num_experts_per_tok}, "
+                             f"num_experts={self.num_experts})")
+        if not moe and (self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size):
+            raise ValueError(f"model.num_experts / num_experts_per_tok / moe_intermediate_size are for MoE models; "
+                             f"model.model_type={self.model_type} is dense: set them to 0, or model_type to "
+                             f"qwen3_moe or mixtral")
 
 
 @dataclass
@@ -162,6 +190,11 @@ class RunConfig:
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""
 
     def __post_init__(self):
+        check_number("seed", self.seed, ge=0, lt=2 ** 63, integer=True)
+        check_number("rl_steps", self.rl_steps, ge=0, integer=True, note="0: SFT and the export only")
+        check_number("checkpoint_every", self.checkpoint_every, ge=0, integer=True, note="0: no checkpoints")
+        check_number("keep_checkpoints", self.keep_checkpoints, ge=1, integer=True,
+                     note="the newest checkpoints kept; a resume needs one")
         # Paths may start with ~ (e.g. the packaged models' cache, ~/.cache/megarl/models/smollm2).
         for section, name in ((self.model, "init_from_hf"), (self.model, "init_from_mcore"),
                               (self.data, "tokenizer_path"), (self.data, "jsonl_path")):
@@ -176,6 +209,9 @@ class RunConfig:
                                                     or self.model.init_from_mcore):
             raise ValueError(f"data.tokenizer_path (or model.init_from_hf / init_from_mcore) is required when "
                              f"data.source={self.data.source}")
+        if self.data.source != "addition" and self.sft.steps > 0:
+            raise ValueError(f"sft.steps must be 0 with data.source={self.data.source}: SFT trains on the synthetic "
+                             f"task's worked solutions (data.source=addition)")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -184,11 +220,30 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            raise ConfigError(f"config file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not a text file (not UTF-8: byte {e.object[e.start]:#04x} at "
+                              f"offset {e.start}); expected a YAML mapping of config keys") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            why = " ".join(str(getattr(e, "problem", None) or e).split())
+            if isinstance(e, yaml.reader.ReaderError):  # a control character: a binary file
+                ch = chr(e.character) if isinstance(e.character, int) else e.character
+                where, why = str(path), f"character {ch!r} at offset {e.position}: not a text file"
+            raise ConfigError(f"config file {where}: not valid YAML ({why})") from None
+        if data is None:
+            raise ConfigError(f"config file {path} is empty; give it at least one key (e.g. rl_steps: 30), or leave "
+                              f"out --config to use the defaults")
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at top level")
+            raise ConfigError(f"config file {path} must hold a mapping of config keys at top level, got a "
+                              f"{type(data).__name__}")
     data = apply_overrides(data, list(overrides), RunConfig)
     return from_dict(RunConfig, data)
 

@@ -6,8 +6,11 @@ clear message and leave nothing behind, so all of it is loaded and checked here 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from megarl.config import RunConfig
@@ -124,16 +127,73 @@ def _data(cfg: RunConfig):
     return tokenizer, problems, reward_fn, None
 
 
-def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_len: int) -> list[list[int]]:
-    """Every prompt's ids, checked to leave room for ``max_new_tokens`` in the model's context."""
-    ids = [tokenizer.encode_prompt(p.prompt) for p in problems]
+def _cannot_encode(exc: BaseException) -> bool:
+    """What a tokenizer raises for text it cannot encode: ``ValueError`` (CharTokenizer), the plain
+    ``Exception`` of HF ``tokenizers`` (e.g. a character without an id and no unknown token), a
+    chat template's ``TemplateError``."""
+    return isinstance(exc, ValueError) or type(exc) is Exception or type(exc).__name__.endswith("TemplateError")
+
+
+def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_len: int,
+                   where: Callable[[Problem], str] | None = None) -> list[list[int]]:
+    """Every prompt's ids, each checked to encode, to be non-empty and to leave room for
+    ``max_new_tokens`` in the model's context. ``where``: how a message names a prompt (default
+    ``prompt uid N``; a JSONL set's ``FILE:LINE``)."""
+    where = where or (lambda p: f"prompt uid {p.uid}")
+    ids = []
+    for p in problems:
+        try:
+            row = tokenizer.encode_prompt(p.prompt)
+        except Exception as e:  # noqa: BLE001 - only a tokenizer's "cannot encode" is a user error
+            if not _cannot_encode(e):
+                raise
+            raise ValueError(f"{where(p)}: the tokenizer cannot encode the prompt ({' '.join(str(e).split())})") \
+                from None
+        if not row:
+            raise ValueError(f"{where(p)}: the prompt is empty (0 tokens); every prompt needs text for the policy "
+                             f"to answer")
+        ids.append(row)
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    if len(ids[longest]) + max_new_tokens > max_len:
-        raise ValueError(f"prompt uid {problems[longest].uid} is {len(ids[longest])} tokens; with "
-                         f"rollout.max_new_tokens={max_new_tokens} it needs {len(ids[longest]) + max_new_tokens} "
-                         f"positions but the model has {max_len} (max_position_embeddings); valid: shorter prompts "
-                         f"or rollout.max_new_tokens <= {max(0, max_len - len(ids[longest]))}")
+    n = len(ids[longest])
+    if n + max_new_tokens > max_len:
+        fix = (f"rollout.max_new_tokens <= {max_len - n}, " if n < max_len else "") + \
+              f"or a model with max_position_embeddings >= {n + max_new_tokens}"
+        raise ValueError(f"{where(problems[longest])}: the prompt is {n} tokens; with rollout.max_new_tokens="
+                         f"{max_new_tokens} it needs {n + max_new_tokens} positions but the model has {max_len} "
+                         f"(max_position_embeddings); valid: a shorter prompt, {fix}")
     return ids
+
+
+def _hf_model_args(folder: str) -> ModelArgs:
+    """The architecture of the HF folder ``model.init_from_hf``; a ValueError naming its
+    ``config.json`` if that is not a readable HF config."""
+    cfg_path = Path(folder) / "config.json"
+    try:
+        hf_cfg = read_hf_config(folder)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({' '.join(str(e).split())}); expected the model's HF config "
+                         f"(config.json as transformers saves it)") from None
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object (the model's HF config), got a {type(hf_cfg).__name__}")
+    try:
+        return ModelArgs.from_hf_config(hf_cfg)
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(f"{cfg_path}: not a usable HF model config ({type(e).__name__}: {e})") from e
+
+
+def check_device(device: str, key: str = "rollout.device") -> None:
+    """A ``cuda`` device that this machine has (the name itself is checked by the config)."""
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if m is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{key}={device} but no CUDA device is available here (torch {torch.__version__}, "
+                         f"CUDA build: {torch.version.cuda or 'none'}); valid here: cpu")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise ValueError(f"{key}={device} but this machine has {torch.cuda.device_count()} CUDA device(s); valid: "
+                         f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
@@ -142,11 +202,13 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, init_from_hf=hub.resolve(cfg.model.init_from_hf, "model.init_from_hf")), data=dataclasses.replace(
         cfg.data, tokenizer_path=hub.resolve(cfg.data.tokenizer_path, "data.tokenizer_path")))
+    check_device(cfg.rollout.device)
+    # The model folder's config.json before its tokenizer (which may read it too): a broken one is named.
+    hf_args = _hf_model_args(cfg.model.init_from_hf) if cfg.model.init_from_hf else None
     tokenizer, problems, reward_fn, task = _data(cfg)
 
     if cfg.model.init_from_hf:
-        hf_cfg = read_hf_config(cfg.model.init_from_hf)
-        args = ModelArgs.from_hf_config(hf_cfg)
+        args = hf_args
         # Names, shapes and dtypes from the file headers: bad weights fail here, before anything is
         # written; the tensors themselves are read per rank by the trainer.
         with LazyTensors(safetensors_files(cfg.model.init_from_hf)) as src:
@@ -170,15 +232,26 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         )
     if args.eos_token_id is None:
         args.eos_token_id = tokenizer.eos_id
-    if task is None and cfg.sft.steps > 0:
-        raise ValueError(f"sft.steps must be 0 with data.source={cfg.data.source}: SFT trains on the synthetic "
-                         f"task's worked solutions (data.source=addition)")
-    prompt_ids = encode_prompts(problems, tokenizer, cfg.rollout.max_new_tokens, args.max_position_embeddings)
+    where = (lambda p: f"{cfg.data.jsonl_path}:{p.uid + 1}") if cfg.data.source == "jsonl" else None
+    prompt_ids = encode_prompts(problems, tokenizer, cfg.rollout.max_new_tokens, args.max_position_embeddings, where)
+    _check_drafter_start(cfg, args)
     max_seq_len = max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens
     return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,
                      reward_fn=reward_fn, args=args,
                      init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
                      layout=check_layout(cfg, args))
+
+
+def _check_drafter_start(cfg: RunConfig, args: ModelArgs) -> None:
+    """``spec.drafter.init_from``: a drafter folder made for this policy (loaded once here)."""
+    d = cfg.spec.drafter
+    if cfg.spec.enabled and d.enabled and d.init_from:
+        from megarl.spec.drafter import load_drafter
+
+        try:
+            load_drafter(d.init_from, args)
+        except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+            raise ValueError(f"spec.drafter.init_from={d.init_from}: {e}") from e
 
 
 def _check_mcore_start(cfg: RunConfig, tokenizer_vocab: int) -> ModelArgs:

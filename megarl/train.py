@@ -59,17 +59,106 @@ class RunDirError(ValueError):
     """The run directory does not fit the request (exists without --resume, nothing to resume)."""
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """Decide where to start before touching anything; returns the checkpoint to resume from."""
+# Config fields a resumed run may change without changing its result (how long it runs, how often
+# and how many checkpoints it keeps, where metrics go, failure detection, the rollouts dump, reward
+# threads, the OS priority of bubble work, the chunking of weight transfers); a key ending in "."
+# stands for its whole section. Everything else changes samples or updates (in fp32 even the
+# batch shapes of speculation, placement or max_batch_size change rounding), so a change needs
+# --allow-config-change. Listed in README.md ("Checkpoints, resume and preemption").
+RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
+                     "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb")
+
+
+def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
+                  allow_config_change: bool = False) -> Path | None:
+    """Decide where to start before touching anything; returns the checkpoint to resume from.
+    With ``cfg`` (the CLI passes it), a resume also checks that the checkpoint fits ``cfg``
+    (trainer layout, tail batching, KL reference) and that ``cfg`` changes nothing but
+    ``RESUME_MAY_CHANGE`` against ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
+    run_dir = Path(run_dir)
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise RunDirError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} to resume from")
+        if cfg is not None:
+            check_resume_config(run_dir, cfg, allow_config_change)
+            _check_checkpoint_fits(ckpt, cfg)
         return ckpt
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         raise RunDirError(f"run dir {run_dir} already holds a run: pass --resume to continue it, "
                           f"or choose another --run-dir")
     return None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_config(run_dir: Path, cfg: RunConfig, allow_change: bool = False) -> list[str]:
+    """Compare ``cfg`` with the config the run was started with (``RUN_DIR/config.yaml``). A
+    changed field outside ``RESUME_MAY_CHANGE`` raises ``RunDirError`` naming every such field
+    with its old and new value, unless ``allow_change`` (``--allow-config-change``): then they are
+    logged and returned (``key: old -> new`` each). Reads only; writes nothing."""
+    import yaml
+
+    from megarl.utils.dataclass_config import ConfigError, from_dict
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        log.warning("%s is missing: cannot check that --resume uses the run's config", path)
+        return []
+    try:
+        saved = yaml.safe_load(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"it holds a {type(saved).__name__}, not a mapping")
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        if allow_change:
+            log.warning("%s cannot be read (%s): resuming without comparing configs (--allow-config-change)", path, e)
+            return []
+        raise RunDirError(f"{path} cannot be read ({' '.join(str(e).split())}), so --resume cannot check that the "
+                          f"config is the run's; pass --allow-config-change to resume anyway") from None
+    try:  # typed and with today's defaults filled in, as the new config is
+        old = _flat(to_dict(from_dict(RunConfig, saved)))
+    except ConfigError:  # written by another megarl version: its keys over today's defaults
+        old = {**_flat(to_dict(RunConfig())), **_flat(saved)}
+    new = _flat(to_dict(cfg))
+    missing = object()
+    changed = [k for k in new if old.get(k, missing) != new[k]]
+    refused = [k for k in changed if not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_MAY_CHANGE)]
+    lines = [f"{k}: {old.get(k, '(unset)')!r} -> {new[k]!r}" for k in refused]
+    if refused and not allow_change:
+        raise RunDirError(f"--resume with a config that changes the run's result: {'; '.join(lines)} (against "
+                          f"{path}); resume with the run's settings, or pass --allow-config-change to continue "
+                          f"with these (the resumed run then repeats no uninterrupted run); free to change: "
+                          f"{', '.join(f.rstrip('.') + ('.*' if f.endswith('.') else '') for f in RESUME_MAY_CHANGE)}")
+    if refused:
+        log.warning("resuming %s with a changed config (--allow-config-change): %s", run_dir, "; ".join(lines))
+    return lines
+
+
+def _check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
+    """What loading ``ckpt`` into a run of ``cfg`` would fail on (whatever --allow-config-change says)."""
+    from megarl.checkpoint.rl_state import read_state
+
+    state = read_state(ckpt)
+    p = cfg.parallel
+    saved = tuple(state.get(f"trainer_{k}", 1) for k in ("tp", "pp", "vpp"))
+    if saved != (p.trainer_tp, p.trainer_pp, p.trainer_vpp):
+        raise RunDirError(f"checkpoint {ckpt} was written with parallel.trainer_tp/pp/vpp={'/'.join(map(str, saved))}; "
+                          f"this run has {p.trainer_tp}/{p.trainer_pp}/{p.trainer_vpp}: resume with the checkpoint's "
+                          f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
+    if cfg.tail.enabled and "tail" not in state:
+        raise RunDirError(f"checkpoint {ckpt} was written without tail batching: resume with tail.enabled=false, "
+                          f"or start a new run")
+    if cfg.grpo.kl_coef > 0 and state.get("step", 0) > 0 and not (ckpt / "ref.pt").exists():
+        raise RunDirError(f"checkpoint {ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
+                          f"resume with grpo.kl_coef=0")
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None,

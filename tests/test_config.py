@@ -46,7 +46,7 @@ def test_ill_typed_values(tmp_path):
         load_config(None, ["rollout.dtype=fp16"])
     with pytest.raises(ConfigError, match="progress: expected true/false"):
         load_config(None, ["progress=3"])
-    with pytest.raises(ConfigError, match="rollout.group_size must be >= 1"):
+    with pytest.raises(ConfigError, match=r"rollout.group_size=0 is invalid; valid range: >= 2"):
         load_config(None, ["rollout.group_size=0"])
     with pytest.raises(ConfigError, match="trainer.lr: expected a number, got 'fast'"):
         load_config(None, ["trainer.lr=fast"])

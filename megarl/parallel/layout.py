@@ -62,8 +62,10 @@ class ParallelConfig:
         if self.trainer_vpp > 1 and self.trainer_pp < 2:
             raise ValueError(f"parallel.trainer_vpp={self.trainer_vpp} needs pipeline parallelism (trainer_pp >= 2, "
                              f"got trainer_pp={self.trainer_pp}); valid: trainer_pp >= 2 or trainer_vpp=1")
-        if not self.weight_sync_bucket_mb > 0:
+        if not 0 < self.weight_sync_bucket_mb < float("inf"):
             raise ValueError(f"parallel.weight_sync_bucket_mb={self.weight_sync_bucket_mb} is invalid; valid range: > 0")
+        if self.rollout_ranks < 0:
+            raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks} is invalid; valid range: >= 0")
         if self.placement == "colocated" and self.rollout_ranks != 0:
             raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks} needs placement=disaggregated "
                              f"(colocated runs generate on every process: set rollout_ranks=0)")

@@ -64,8 +64,10 @@ class WatchdogConfig:
     rank may hold the GIL longer than this (the heartbeat is a Python thread)."""
 
     def __post_init__(self):
-        if self.interval_s <= 0:
-            raise ValueError(f"watchdog.interval_s={self.interval_s} must be > 0")
+        from megarl.utils.dataclass_config import check_number
+
+        check_number("watchdog.interval_s", self.interval_s, gt=0, note="seconds")
+        check_number("watchdog.timeout_s", self.timeout_s, gt=0, note="seconds")
         if self.timeout_s < 2 * self.interval_s:
             raise ValueError(f"watchdog.timeout_s={self.timeout_s} must be >= 2 * watchdog.interval_s "
                              f"({2 * self.interval_s}): a late heartbeat must not look like a death")

@@ -28,16 +28,22 @@ def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
 
 def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> list[Problem]:
     """Read ``path`` into ``Problem``s (uid = line index). ValueError, naming the file and line,
-    for a missing file, malformed JSON, a non-object line, a missing or non-string ``prompt`` /
-    ``answer``, a prompt ``tokenizer`` cannot encode, or an empty file. With ``tokenizer``, every
-    prompt is encoded once so a bad character fails at load time, not mid-rollout."""
+    for a missing file, a line that is not UTF-8, malformed JSON, a non-object line, a missing or
+    non-string ``prompt`` / ``answer``, an empty prompt, a prompt ``tokenizer`` cannot encode, or
+    an empty file. With ``tokenizer``, every prompt is encoded once so a bad character fails at
+    load time, not mid-rollout."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} does not exist; {_EXPECTED}")
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for idx, line in enumerate(f):
+    with path.open("rb") as f:
+        for idx, raw in enumerate(f):
             where = f"{path}:{idx + 1}"
+            try:
+                line = raw.decode("utf-8-sig" if idx == 0 else "utf-8")  # (a BOM some editors write)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 f"save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -51,11 +57,15 @@ def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = No
                     raise ValueError(f"{where}: missing field {field!r} (has {sorted(row)}); {_EXPECTED}")
                 if not isinstance(row[field], str):
                     raise ValueError(f"{where}: field {field!r} must be a string, got {row[field]!r}; {_EXPECTED}")
+            if not row["prompt"].strip():
+                raise ValueError(f"{where}: field 'prompt' is empty; every prompt needs text for the policy to answer")
             if tokenizer is not None:
                 try:
                     tokenizer.encode(row["prompt"])
-                except ValueError as e:
-                    raise ValueError(f"{where}: prompt cannot be tokenized: {e}") from None
+                except Exception as e:  # noqa: BLE001 - HF tokenizers raise plain Exceptions
+                    if not isinstance(e, ValueError) and type(e) is not Exception:
+                        raise
+                    raise ValueError(f"{where}: prompt cannot be tokenized: {' '.join(str(e).split())}") from None
             problems.append(Problem(uid=idx, prompt=row["prompt"], answer=row["answer"]))
     if not problems:
         raise ValueError(f"prompt file {str(path)!r} holds no problems; {_EXPECTED}")

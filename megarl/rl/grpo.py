@@ -35,6 +35,13 @@ class GRPOConfig:
     advantage signal and are not trained (counted as ``zero_var_dropped``); the loss is
     normalised by the tokens of the groups trained. A step left with none takes no update."""
 
+    def __post_init__(self) -> None:
+        from megarl.utils.dataclass_config import check_number
+
+        check_number("grpo.clip_eps_low", self.clip_eps_low, ge=0, le=1, note="the ratio is kept >= 1 - clip_eps_low")
+        check_number("grpo.clip_eps_high", self.clip_eps_high, ge=0, note="the ratio is kept <= 1 + clip_eps_high")
+        check_number("grpo.kl_coef", self.kl_coef, ge=0, note="0 = no KL term")
+
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
     """Group-relative advantages.

@@ -79,19 +79,19 @@ class TaskConfig:
     learns left_to_right quickly; the other two need it to track which terms are used."""
 
     def __post_init__(self) -> None:
-        if self.num_prompts < 1:
-            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
-        if self.min_terms < 2:
-            raise ValueError(f"min_terms must be >= 2, got {self.min_terms}")
-        if self.max_terms < self.min_terms:
-            raise ValueError(f"max_terms ({self.max_terms}) must be >= min_terms ({self.min_terms})")
-        if not self.tail_alpha > 0:
-            raise ValueError(f"tail_alpha must be > 0, got {self.tail_alpha}")
-        if self.max_operand < 1:
-            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
-        if len(self.strategy_weights) != len(STRATEGIES) or min(self.strategy_weights) < 0 \
-                or sum(self.strategy_weights) <= 0:
-            raise ValueError(f"strategy_weights={self.strategy_weights} must be {len(STRATEGIES)} non-negative "
+        import math
+
+        from megarl.utils.dataclass_config import check_number
+
+        check_number("task.num_prompts", self.num_prompts, ge=1, integer=True)
+        check_number("task.seed", self.seed, ge=0, integer=True)
+        check_number("task.min_terms", self.min_terms, ge=2, integer=True, note="a one-term sum has no working")
+        check_number("task.max_terms", self.max_terms, ge=self.min_terms, integer=True, note="at least task.min_terms")
+        check_number("task.tail_alpha", self.tail_alpha, gt=0)
+        check_number("task.max_operand", self.max_operand, ge=1, integer=True)
+        if len(self.strategy_weights) != len(STRATEGIES) or not all(math.isfinite(w) for w in self.strategy_weights) \
+                or min(self.strategy_weights) < 0 or sum(self.strategy_weights) <= 0:
+            raise ValueError(f"task.strategy_weights={self.strategy_weights} must be {len(STRATEGIES)} non-negative "
                              f"weights, not all 0, for {STRATEGIES}")
         self.strategy_weights = tuple(float(w) / sum(self.strategy_weights) for w in self.strategy_weights)
 

@@ -232,9 +232,16 @@ def load_hf_tokenizer(path: Path):
             cfg = json.loads(cfg_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object, got a {type(cfg).__name__}")
     cls = cfg.get("tokenizer_class")
     if cls != "TokenizersBackend" or hasattr(transformers, "TokenizersBackend"):
-        return transformers.AutoTokenizer.from_pretrained(str(path))
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many kinds for a bad folder
+            raise ValueError(f"tokenizer folder {path} cannot be loaded by transformers {transformers.__version__} "
+                             f"({type(e).__name__}: {' '.join(str(e).split())}); expected tokenizer.json and/or "
+                             f"tokenizer_config.json as saved by transformers' save_pretrained") from e
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path}: tokenizer_class TokenizersBackend (saved by transformers 5.x) needs "
                                 f"tokenizer.json beside it")
@@ -245,9 +252,18 @@ def load_hf_tokenizer(path: Path):
         extra = list(extra.values())
     if extra:
         kwargs["additional_special_tokens"] = list(extra)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    try:
+        tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions for a bad file
+        raise ValueError(f"{path / 'tokenizer.json'} cannot be loaded ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())}); the folder was saved by transformers 5.x "
+                         f"(tokenizer_class TokenizersBackend in tokenizer_config.json), whose tokenizer.json megarl "
+                         f"reads directly: save the tokenizer again, or use transformers >= 5") from e
     jinja = path / "chat_template.jinja"
-    template = jinja.read_text() if jinja.is_file() else cfg.get("chat_template")
+    try:
+        template = jinja.read_text() if jinja.is_file() else cfg.get("chat_template")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{jinja} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if template:
         tok.chat_template = template
     return tok

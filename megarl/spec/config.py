@@ -70,6 +70,11 @@ class DrafterConfig:
         for name in ("steps_per_bubble", "steps_after_rollout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"spec.drafter.{name}={getattr(self, name)} is invalid; valid range: >= 0")
+        from megarl.utils.dataclass_config import check_number
+
+        for name in ("lr", "ce_weight", "feature_weight", "bandit_c", "bandit_discount"):
+            check_number(f"spec.drafter.{name}", getattr(self, name))
+        check_number("spec.drafter.seed", self.seed, ge=0, integer=True)
         weights_ok = self.ce_weight >= 0 and self.feature_weight >= 0 and self.ce_weight + self.feature_weight > 0
         if not self.lr > 0 or not weights_ok:
             raise ValueError(f"spec.drafter: lr={self.lr} must be > 0 and ce_weight={self.ce_weight}, "
@@ -148,7 +153,7 @@ class SpecConfig:
                              f"k_min={self.k_min} k_init={self.k_init} k_max={self.k_max}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"spec.max_draft_tokens={self.max_draft_tokens} is invalid; valid range: >= 0 (0 = no limit)")
-        if self.forward_cost_tokens < 0:
+        if not 0 <= self.forward_cost_tokens < float("inf"):
             raise ValueError(f"spec.forward_cost_tokens={self.forward_cost_tokens} is invalid; valid range: >= 0 (0 = off)")
         if self.max_batch < 1:
             raise ValueError(f"spec.max_batch={self.max_batch} is invalid; valid range: >= 1")

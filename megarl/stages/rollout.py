@@ -61,9 +61,20 @@ class RolloutConfig:
     for checking that two runs sampled the same tokens (``megarl bench schedule``)."""
 
     def __post_init__(self):
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        import re
+
+        from megarl.utils.dataclass_config import check_number
+
+        for name in ("prompts_per_step", "max_new_tokens", "max_batch_size"):
+            check_number(f"rollout.{name}", getattr(self, name), ge=1, integer=True)
+        check_number("rollout.group_size", self.group_size, ge=2, integer=True,
+                     note="GRPO learns from the differences between a prompt's samples: with one sample per prompt "
+                          "every advantage is 0 and the policy never changes")
+        check_number("rollout.temperature", self.temperature, ge=0, note="0 = greedy")
+        check_number("rollout.top_k", self.top_k, ge=0, integer=True, note="0 = off")
+        check_number("rollout.top_p", self.top_p, gt=0, le=1, note="1.0 = off")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"rollout.device={self.device!r} is invalid; valid: cpu, cuda or cuda:N (N: a GPU index)")
 
 
     def engine_config(self, max_seq_len: int):

@@ -26,6 +26,16 @@ class SFTConfig:
     lr: float = 1e-3
     """Learning rate of the SFT phase (the RL phase uses trainer.lr)."""
 
+    def __post_init__(self) -> None:
+        from megarl.utils.dataclass_config import check_number
+
+        check_number("sft.steps", self.steps, ge=0, integer=True, note="0 skips SFT")
+        check_number("sft.batch_size", self.batch_size, ge=1, integer=True)
+        if self.steps > 0:
+            check_number("sft.lr", self.lr, gt=0)
+        else:
+            check_number("sft.lr", self.lr, ge=0)
+
 
 def sft_batch(inputs, sft: SFTConfig, seed: int, step: int) -> dict:
     """Batch ``step`` of SFT: a pure function of (seed, step), so a resumed run sees the same data."""

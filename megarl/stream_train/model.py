@@ -11,6 +11,7 @@ through the pipeline stages (the training schedules are the trainer's).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -156,6 +157,9 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
                                      qk_layernorm=args.qk_norm, normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
     # spec everywhere so that CPU and GPU runs share one module tree (and one name mapping).
+    # Its core attention (no parameters) is swapped for one on torch's SDPA: the same math
+    # without the [b*heads, s, s] score and probability tensors, and packed sequences.
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
                 "importable" if have_transformer_engine() else "not importable")
     cfg = transformer_config(args, dims, dtype)
@@ -206,10 +210,61 @@ def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: 
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
 
 
-def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
-    """Megatron's boolean attention mask (True = masked out), shape [1, 1, T, T]. Passed
-    explicitly: without it the local spec builds its default causal mask on ``device="cuda"``."""
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+@functools.cache
+def sdpa_attention_class():
+    """Megatron's local ``DotProductAttention`` with its forward on
+    ``torch.nn.functional.scaled_dot_product_attention`` (causal): built on first use, so that
+    importing this module does not import Megatron.
+
+    Why: the local spec's attention materialises the scores and the probabilities as
+    [b * heads, s, s] tensors (baddbmm into a global buffer, a masked fill with a [s, s] mask, a
+    softmax, a bmm, and as many in the backward), which on CPU cost more than the rest of a small
+    model's layer (measured: benchmarks/bench_trainer.py, docs/benchmarks.md). SDPA computes the
+    same softmax(q k^T * scale) v with causal masking by position, blockwise (flash attention on
+    CPU, also for fp64; flash / memory-efficient kernels on CUDA); the GQA groups are the same
+    (query head i reads kv head i // (heads / groups), ``enable_gqa``).
+
+    Packed sequences (``packed_seq_params`` in THD format, megarl/stream_train/micro_batches.py):
+    each sequence of the pack attends only to itself, causally, from its own position 0; done as
+    one SDPA call per sequence (``split`` / ``cat``, so the backward is one concatenation).
+
+    Only causal self-attention without dropout or attention bias, megarl's only use: the mask is
+    the causal one by position and ``attention_mask`` is not read (pass None)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SdpaDotProductAttention(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+            if attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"megarl's SDPA attention is causal only; got attn_mask_type={attn_mask_type}")
+            if self.attention_dropout.p != 0.0 or self.softmax_offset is not None:
+                raise ValueError("megarl's SDPA attention takes no attention dropout and no softmax offset")
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            """``query`` [s, b, heads, d], ``key``/``value`` [s, b, groups, d] (THD: [t, heads, d] /
+            [t, groups, d]) -> [s, b, heads * d] (THD: [t, heads * d])."""
+            if attention_bias is not None:
+                raise ValueError("megarl's SDPA attention takes no attention bias")
+            gqa = query.shape[-2] != key.shape[-2]
+            attend = functools.partial(F.scaled_dot_product_attention, is_causal=True, scale=self.softmax_scale,
+                                       enable_gqa=gqa)
+            if packed_seq_params is None:
+                # [s, b, n, d] -> [b, n, s, d] (views), and back to [s, b, n * d]
+                out = attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+                return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; valid: 'thd'")
+            if query.dim() == 4:  # [t, 1, n, d]
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            cu = packed_seq_params.cu_seqlens_q
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            outs = [attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])[0].transpose(0, 1)
+                    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))]
+            return torch.cat(outs).reshape(query.shape[0], -1)
+
+    return SdpaDotProductAttention
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -243,9 +298,11 @@ def gather_logits(local_logits: torch.Tensor, tp_group, vocab_size: int) -> torc
     return _GatherVocab.apply(local_logits, tp_group, vocab_size)
 
 
-def _positions_and_mask(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions_and_mask(input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """Position ids [B, T] and the attention mask: None, the core attention is causal by position
+    (:func:`sdpa_attention_class`)."""
     b, t = input_ids.shape
-    return torch.arange(t, device=input_ids.device).expand(b, t), causal_mask(t, input_ids.device)
+    return torch.arange(t, device=input_ids.device).expand(b, t), None
 
 
 def gpt_logits(model, input_ids: torch.Tensor, dims: ParallelDims | None = None,

@@ -5,10 +5,20 @@ which the caller puts in the batch. The trainer therefore only sums: gradients o
 accumulate, data-parallel replicas' gradients are summed (``calculate_per_token_loss`` makes
 Megatron's DDP use scaling factor 1), nothing is divided by the number of micro-batches.
 
+Metrics: ``loss_fn``'s metrics are summed over micro-batches and data-parallel ranks (they are
+sums normalised by the step's count too), except those named ``*_max``, which are maxima: reduced
+by max and never scaled (e.g. GRPO's on-policy check ``logprob_diff_max``).
+
 Temperature: the logprobs handed to ``loss_fn`` and returned by :meth:`Trainer.masked_logprobs`
 are ``log softmax(logits / temperature)`` (``temperature`` argument, default 1; 0 reads as 1), the
 distribution the engine samples from (megarl/stream_train/logprobs.py). It is an argument of each
 call, not trainer state: one trainer runs SFT (T=1) and RL (the rollout's T).
+
+Layout (megarl/stream_train/micro_batches.py): a micro-batch's rows run packed into one sequence
+without padding (Megatron's THD format; each row attends to itself only), and only the positions
+whose logprob is needed (the loss mask's) go through the output layer and the log-softmax over the
+vocabulary. With virtual pipeline stages, whose schedule needs one shape for every micro-batch, the
+rows are right padded to the batch's longest instead. Both give the same logprobs up to rounding.
 """
 from __future__ import annotations
 
@@ -28,8 +38,8 @@ from megarl.models import mcore_sharding
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims, trainer_world
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
-from megarl.stream_train.micro_batches import length_order, micro_batches, pad_rows
-from megarl.stream_train.model import build_gpt_model, causal_mask, load_hf_state, load_state, parse_dtype
+from megarl.stream_train.micro_batches import ModelInput, length_order, micro_batches, model_input, pad_rows
+from megarl.stream_train.model import build_gpt_model, load_hf_state, load_state, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +63,22 @@ class TrainerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables clipping)."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward pass."""
+    """Sequences per forward/backward pass (unless ``micro_batch_tokens`` is set)."""
+    micro_batch_tokens: int = 0
+    """When > 0: micro-batches are cut by tokens instead of rows: consecutive rows (in length
+    order) packed up to this many tokens, a longer row alone. Not with virtual pipeline stages
+    (their micro-batches are ``micro_batch_size`` rows of one shape). 0: ``micro_batch_size`` rows."""
     dtype: str = "float32"
     """Parameter and compute dtype: ``float32`` or ``float64`` (exactness tests on CPU)."""
 
     def __post_init__(self) -> None:
+        from megarl.utils.dataclass_config import check_number
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"TrainerConfig.dtype={self.dtype!r}; valid choices: ['float32', 'float64']")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"TrainerConfig.micro_batch_size={self.micro_batch_size} must be >= 1")
-        if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
-            raise ValueError("TrainerConfig.lr, weight_decay and clip_grad must be >= 0")
+            raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: ['float32', 'float64']")
+        check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
+        for name in ("lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2"):  # (clip_grad 0: no clipping)
+            check_number(f"trainer.{name}", getattr(self, name), ge=0, lt=1 if name.startswith("adam") else None)
+        check_number("trainer.adam_eps", self.adam_eps, gt=0)
 
 
 def _finalize_grads(finalize, model, num_tokens=None, **kwargs) -> None:
@@ -94,8 +109,15 @@ class Trainer:
         if self.dtype == torch.float64 and dims.device.type == "cuda":
             raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
+        if cfg.micro_batch_tokens < 0:
+            raise ValueError(f"TrainerConfig.micro_batch_tokens={cfg.micro_batch_tokens} must be >= 0 (0: cut "
+                             f"micro-batches by micro_batch_size rows)")
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
+        # Rows packed without padding (THD); virtual pipeline stages need one shape for every
+        # micro-batch, so they take right-padded rows. False: padded rows (benchmarks compare).
+        self.pack = dims.vpp == 1
+        self._selection: torch.Tensor | None = None  # positions the output layer scores (_select_hidden)
         if mcore_dir is not None:
             self._check_mcore_layout(mcore_dir)
         elif hf_dir is None and hf_state is None:
@@ -134,7 +156,19 @@ class Trainer:
             mcfg.variable_seq_lengths = dims.pp > 1 and dims.vpp == 1
             self.models.append(DistributedDataParallel(mcfg, ddp_cfg, model, disable_bucketing=chunk > 0,
                                                        pg_collection=dims.pg_collection))
+            if model.post_process:
+                model.output_layer.register_forward_pre_hook(self._select_hidden)
         self._build_optimizer()
+
+    def _select_hidden(self, module, args):
+        """Forward pre-hook of the output layer: during the trainer's forwards, only the hidden
+        states [s, b, h] at the positions ``self._selection`` (flattened [s, b] index) are turned
+        into logits, as [k, 1, h]; the model then returns logits [1, k, vocab/tp]. Other callers
+        (``_selection`` None) get every position."""
+        if self._selection is None:
+            return None
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._selection)[:, None], *args[1:])
 
     # ------------------------------------------------------------------ internals
 
@@ -211,14 +245,17 @@ class Trainer:
         order = torch.arange(n) if order is None else order
         size = self.cfg.micro_batch_size
         if self.dims.vpp == 1:
-            return list(micro_batches(batch, size, order)), order
-        pp = self.dims.pp
-        size = max(1, min(size, max(n, pp) // pp))  # then ceil(rows / size) >= pp
-        rows = max(pp, -(-n // size)) * size
-        if rows > n:
-            batch = pad_rows(batch, rows - n)
-            order = torch.cat([order, torch.arange(n, rows)])
-        return list(micro_batches(batch, size, order, trim=False)), order
+            mbs = list(micro_batches(batch, size, order, max_tokens=self.cfg.micro_batch_tokens))
+        else:
+            pp = self.dims.pp
+            size = max(1, min(size, max(n, pp) // pp))  # then ceil(rows / size) >= pp
+            rows = max(pp, -(-n // size)) * size
+            if rows > n:
+                batch = pad_rows(batch, rows - n)
+                order = torch.cat([order, torch.arange(n, rows)])
+            mbs = list(micro_batches(batch, size, order, trim=False))
+        pack = self.pack and self.dims.vpp == 1
+        return [{**mb, "model_input": model_input(mb, pack)} for mb in mbs], order
 
     def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None,
                           temperature: float = 1.0) -> list[dict]:
@@ -238,12 +275,18 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            ids = mb["input_ids"]
-            b, t = ids.shape
-            out = model(ids, torch.arange(t, device=device).expand(b, t), causal_mask(t, device))
+            inp: ModelInput = mb["model_input"]
+            self._selection = inp.select  # the output layer scores these positions only
+            try:
+                # no attention mask: the core attention is causal by position (model.py)
+                out = model(inp.input_ids, inp.position_ids, None, packed_seq_params=inp.packed_seq_params())
+            finally:
+                self._selection = None
 
             def loss_func(local_logits: torch.Tensor):
-                lp = vocab_parallel_logprobs(local_logits[:, :-1], ids[:, 1:], dims.tp_group, vocab, temperature)
+                # local_logits [1, k, vocab/tp]: the selected positions' logits
+                lp = vocab_parallel_logprobs(local_logits[0], inp.targets, dims.tp_group, vocab, temperature)
+                lp = inp.scatter(lp, mb["input_ids"].shape[1])  # [rows, width - 1], 0 where not scored
                 if loss_fn is None:
                     return lp.new_zeros(()), one, {"logprobs": lp.detach()}
                 loss, metrics = loss_fn(lp, mb)
@@ -251,7 +294,7 @@ class Trainer:
 
             return out, loss_func
 
-        microbatches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+        microbatches = [{k: v.to(device) if isinstance(v, (torch.Tensor, ModelInput)) else v for k, v in mb.items()}
                         for mb in microbatches]
         extra = {}
         if dims.pp > 1:
@@ -264,12 +307,12 @@ class Trainer:
             # otherwise (_split guarantees M >= pp).
             m = len(microbatches)
             self.gpt.config.microbatch_group_size_per_vp_stage = dims.pp if m % dims.pp == 0 else m
+        shapes = [mb["model_input"].input_ids.shape for mb in microbatches]  # [b, s] as the model sees them
         return get_forward_backward_func(pp_size=dims.pp, vp_size=dims.vpp if dims.vpp > 1 else None)(
             forward_step_func=forward_step, data_iterator=data, model=self.models,
             num_microbatches=len(microbatches),
             # equal for all with virtual stages (_split); unused with variable lengths
-            seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
-            micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches),
+            seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
             forward_only=loss_fn is None, pg_collection=dims.pg_collection, **extra)
 
     @property
@@ -303,13 +346,23 @@ class Trainer:
                 out[rows[real], :lp.shape[1]] = lp[real]
         return self._broadcast_from_last_stage(out)
 
-    def _all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+    @staticmethod
+    def _is_max(key: str) -> bool:
+        """A ``loss_fn`` metric reduced by max, not summed (module docstring)."""
+        return key.endswith("_max")
+
+    def _all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        """``values`` summed (``*_max``: maximised) over the data-parallel ranks."""
         if self.dims.dp == 1 or not values:
             return values
-        keys = sorted(values)
-        buf = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(buf, group=self.dims.dp_group)
-        return dict(zip(keys, buf.tolist()))
+        out = {}
+        for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in values if not self._is_max(k))),
+                         (dist.ReduceOp.MAX, sorted(k for k in values if self._is_max(k)))):
+            if keys:
+                buf = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+                dist.all_reduce(buf, op=op, group=self.dims.dp_group)
+                out.update(zip(keys, buf.tolist()))
+        return out
 
     # ------------------------------------------------------------------ public API
 
@@ -335,7 +388,8 @@ class Trainer:
         ``loss_fn`` runs on the last pipeline stage.
 
         Returns, on every rank, the summed ``loss``, the summed ``loss_fn`` metrics (summed over DP
-        too), the pre-clip ``grad_norm`` and ``update_ok`` (False if the optimizer skipped the step)."""
+        too; ``*_max`` ones maximised), the pre-clip ``grad_norm`` and ``update_ok`` (False if the
+        optimizer skipped the step)."""
         self.begin_step()
         self.accumulate(batch, loss_fn, temperature=temperature)
         return self.finish_step()
@@ -363,7 +417,10 @@ class Trainer:
             config.finalize_model_grads_func = finalize
         for res in outputs:
             for k, v in res.items():
-                self._sums[k] = self._sums.get(k, 0.0) + v
+                if k not in self._sums:
+                    self._sums[k] = v
+                else:
+                    self._sums[k] = max(self._sums[k], v) if self._is_max(k) else self._sums[k] + v
 
     def finish_step(self, scale: float = 1.0) -> dict[str, float]:
         """Reduce the accumulated gradients (DP all-reduce, tied embeddings), multiply them and the
@@ -382,7 +439,7 @@ class Trainer:
             dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
                                        device=self.dims.device)
             sums = box[0]
-        out = {k: v * scale for k, v in self._all_reduce_sum(sums).items()}
+        out = {k: v if self._is_max(k) else v * scale for k, v in self._all_reduce(sums).items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_ok"] = float(bool(update_ok))
         return out

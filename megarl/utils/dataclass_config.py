@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import numbers
 import types
 import typing
 from typing import Any, Literal, Union
@@ -16,7 +18,34 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A config file or override names an unknown key or holds an ill-typed value."""
+    """A config file or override names an unknown key or holds an ill-typed or out-of-range value."""
+
+
+def valid_range(ge=None, gt=None, le=None, lt=None) -> str:
+    """``>= 0``, ``(0, 1]``, ... for the bounds given (at most one lower and one upper)."""
+    lo = (f"[{ge}", f">= {ge}") if ge is not None else (f"({gt}", f"> {gt}") if gt is not None else None
+    hi = (f"{le}]", f"<= {le}") if le is not None else (f"{lt})", f"< {lt}") if lt is not None else None
+    if lo and hi:
+        return f"{lo[0]}, {hi[0]}"
+    return (lo or hi or ("any", "any"))[1]
+
+
+def check_number(key: str, value: Any, *, ge=None, gt=None, le=None, lt=None, integer: bool = False,
+                 note: str = "") -> None:
+    """A config field's range check, for the sections' ``__post_init__``: ``ValueError`` naming the
+    key, the value and the valid range unless ``value`` is a finite number (an int with
+    ``integer``) within the bounds. NaN and infinities are always refused."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+        and (not integer or isinstance(value, numbers.Integral)) \
+        and (ge is None or value >= ge) and (gt is None or value > gt) \
+        and (le is None or value <= le) and (lt is None or value < lt)
+    if not ok:
+        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "an integer" if integer and not isinstance(value, numbers.Integral) else \
+            "a finite number" if not finite else ""
+        notes = "; ".join(n for n in (kind, note) if n)
+        raise ValueError(f"{key}={value!r} is invalid; valid range: {valid_range(ge, gt, le, lt)}"
+                         f"{f' ({notes})' if notes else ''}")
 
 
 def _type_name(tp: Any) -> str:
@@ -53,6 +82,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if dataclasses.is_dataclass(tp):
+        if value is None:  # a section left empty in YAML (every key commented out): its defaults
+            value = {}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, "
                               f"got {value!r}")
@@ -66,15 +97,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # PyYAML (YAML 1.1) reads exponent forms without a dot, e.g. ``1e-5``, as strings.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return number  # (NaN and infinities: refused by from_dict, after the section's own range check)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -102,11 +136,19 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     if missing:
         raise ConfigError(f"missing required config keys: {[prefix + m for m in missing]}")
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:  # a component's own __post_init__ validation
-        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from e
+        msg, section = str(e), prefix.rstrip(".")
+        if section and not msg.startswith((f"{section}.", f"{section}=", f"{section}:")):
+            msg = f"{section}: {msg}"  # a message that does not name its section yet
+        raise ConfigError(msg) from e
+    for key, value in kwargs.items():  # what no section's own check refused: no config float means NaN or inf
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ConfigError(f"{prefix}{key}={value!r} is invalid; valid: finite numbers (no NaN or infinity)")
+    return obj
 
 
 def to_dict(obj: Any) -> Any:
@@ -132,7 +174,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
             if part not in fields:
                 raise _unknown_key(prefix, part, sorted(fields))
             if i == len(parts) - 1:
-                node[part] = yaml.safe_load(raw) if raw.strip() else ""
+                try:
+                    node[part] = yaml.safe_load(raw) if raw.strip() else ""
+                except yaml.YAMLError as e:
+                    why = " ".join(str(getattr(e, "problem", None) or e).split())
+                    raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({why}); quote "
+                                      f"it for a string, e.g. --set '{path.strip()}=\"{raw}\"'") from None
             else:
                 tp = typing.get_type_hints(tp)[part]
                 if not dataclasses.is_dataclass(tp):
