@@ -11,10 +11,10 @@ that a crash, a hang or a CUDA error ends only that part):
   divergences per 10k tokens (a divergence is the first token where a response differs from the
   reference; what follows it is not counted). Controls: the reference run repeated, and run with
   a smaller batch (batch-shape rounding without speculation).
-- ``fail``: raises (the runbook's own test checks that a failing part is recorded and the others
-  still run).
+- ``fail`` raises and ``hang`` sleeps past any time limit (the runbook's own test checks that a
+  failing part is recorded and the others still run, and that a part over its limit is killed).
 
-Usage: ``python -m megarl.bench.gpu_parts {env,identity,fail} --json PATH [--dry-run]``.
+Usage: ``python -m megarl.bench.gpu_parts {env,identity,fail,hang} --json PATH [--dry-run]``.
 """
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from megarl.bench.gpu import divergence
 
 # Model shapes the runbook builds with random weights (no weights travel to the GPU machine).
 SHAPES = {
@@ -146,6 +144,25 @@ def env_part(dry_run: bool) -> dict:
 
 
 # ------------------------------------------------------------------ identity
+def divergence(ref: list[list[int]], other: list[list[int]]) -> dict:
+    """Responses of ``other`` against the reference's: ``diverged`` counts responses that differ,
+    ``exposure_tokens`` the tokens compared up to and including each first difference (what
+    follows a divergence is conditioned on another prefix, so it is not counted), ``tokens`` all
+    of ``other``'s tokens."""
+    if len(ref) != len(other):
+        raise ValueError(f"divergence: {len(other)} responses against {len(ref)} reference responses")
+    diverged = exposure = 0
+    for a, b in zip(ref, other):
+        if a == b:
+            exposure += len(a)
+            continue
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        diverged += 1
+        exposure += n + 1
+    return {"responses": len(ref), "diverged": diverged, "exposure_tokens": exposure,
+            "tokens": sum(map(len, other))}
+
+
 @dataclasses.dataclass
 class IdentitySettings:
     shape: str = "qwen2.5-1.5b"
@@ -338,14 +355,17 @@ def identity_part(s: IdentitySettings) -> dict:
 # ------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megarl.bench.gpu_parts", description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["env", "identity", "fail"])
+    p.add_argument("part", choices=["env", "identity", "fail", "hang"])
     p.add_argument("--json", required=True, help="where to write the part's figures")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
+    p.add_argument("--work-dir", help="scratch folder (unused by these parts; the runbook passes it to every part)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="identity: override an IdentitySettings field (e.g. --set prompts=48)")
     a = p.parse_args(argv)
     if a.part == "fail":
         raise RuntimeError("the 'fail' part fails on purpose (the runbook's self-test)")
+    if a.part == "hang":
+        time.sleep(3600)  # the runbook must kill it at its time limit
     if a.part == "env":
         figures = env_part(a.dry_run)
     else:
