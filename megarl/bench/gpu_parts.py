@@ -189,8 +189,8 @@ class IdentitySettings:
 
 def identity_settings(dry_run: bool) -> IdentitySettings:
     if dry_run:
-        return IdentitySettings(shape="tiny", device="cpu", dtype="float32", prompts=3, group_size=2, prompt_len=6,
-                                max_new_tokens=10, max_batch_size=4)
+        return IdentitySettings(shape="tiny", device="cpu", dtype="float32", prompts=2, group_size=2, prompt_len=6,
+                                max_new_tokens=8, max_batch_size=4)
     return IdentitySettings()
 
 

@@ -86,12 +86,16 @@ def engine_part(json_path: Path, dry_run: bool) -> dict:
 
     import torch
 
-    from megarl.bench.engine import BenchShape, bench_engine
-    from megarl.bench.gpu_parts import datasheet_gbps
+    from megarl.bench.engine import MODEL_SIZES, BenchShape, bench_engine
+    from megarl.bench.gpu_parts import SHAPES, datasheet_gbps
     from megarl.engine import EngineConfig
 
     if dry_run:
-        shape = BenchShape(model_size="tiny", batch_sizes=[1, 2], prompt_len=8, new_tokens=4, dtype="float32",
+        # bench engine's own "tiny" (vocab 8192, width 384) takes a minute on a shared CPU; the dry
+        # run only walks the code path, so this process adds the runbook's smaller CPU model.
+        MODEL_SIZES.setdefault("gpu-dry", {k: v for k, v in SHAPES["tiny"].items() if k != "model_type"}
+                               | {"tie_word_embeddings": True})
+        shape = BenchShape(model_size="gpu-dry", batch_sizes=[1, 64], prompt_len=8, new_tokens=6, dtype="float32",
                            device="cpu", kv_caches=["slots", "paged"], hbm_gbps=3350.0, repeats=1)
     else:
         if not torch.cuda.is_available():
@@ -119,12 +123,12 @@ SMOLLM2_BODY = ["model.model_type=llama", "model.hidden_size=576", "model.interm
                 "model.rope_theta=100000", "model.tie_word_embeddings=true"]
 GRPO_GPU = [*SMOLLM2_BODY, "rollout.device=cuda", "rollout.dtype=bfloat16", "rl_steps=6", "checkpoint_every=0",
             "sft.steps=60", "rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
-            "rollout.dump=true", "progress=false"]
+            "rollout.dump=true", "progress=false", "schedule.bubble_priority=normal"]
 GRPO_DRY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
             "model.num_attention_heads=2", "model.num_key_value_heads=1", "rl_steps=2", "checkpoint_every=0",
             "sft.steps=1", "sft.batch_size=4", "task.num_prompts=8", "rollout.prompts_per_step=2",
             "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_batch_size=4", "rollout.dump=true",
-            "progress=false", "trainer.micro_batch_size=4"]
+            "progress=false", "trainer.micro_batch_size=4", "schedule.bubble_priority=normal"]
 SPEC = ["spec.enabled=true", "spec.bubble_pregen=true"]
 STEP_KEYS = ("step_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "weight_sync_gbps", "weight_sync_bytes",
              "bubble_time_s", "rollout_tokens", "target_forwards", "forward_reduction", "reward_mean",
@@ -160,7 +164,9 @@ def run_grpo(name: str, work: Path, spec: bool, dry_run: bool) -> dict:
             for ev in rank["events"]:
                 acc[ev["phase"]] = acc.get(ev["phase"], 0.0) + ev["end"] - ev["start"]
         phases.append({"step": line["step"], **acc})
-    layout = next((ln.split("process layout: ", 1)[1] for ln in log.splitlines() if "process layout: " in ln), None)
+    # "parallel init: backend=nccl world=1 ..." and "process layout: colocated: ..." (the log's own words)
+    layout = "; ".join(ln.split(" INFO ", 1)[-1] for ln in log.splitlines()
+                       if "parallel init: " in ln or "process layout: " in ln) or None
     later = steps[1:] or steps  # step 1 pays first-use costs (allocations, kernel compiles)
     summary = {"rollout_tok_s": sum(s["rollout_tokens"] for s in later) / max(sum(s["rollout_time_s"] for s in later), 1e-9)}
     for key in ("step_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s"):

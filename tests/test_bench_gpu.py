@@ -1,0 +1,106 @@
+"""The GPU runbook's dry run (issue 25): every part's code path on CPU with tiny shapes, so the
+runbook cannot rot before a GPU is lent. One run of all parts plus the two self-test parts (one
+that raises, one that hangs) placed before the real ones: the failure and the hang are recorded,
+the hanging process is killed at its limit, and every later part still runs and writes its JSON;
+the report and summary are written."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.bench.gpu import DEFAULT_PARTS, PARTS, merge, run_runbook
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ["env", "fail", "hang", *[p for p in DEFAULT_PARTS if p != "env"]]
+HANG_LIMIT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-out")
+    t0 = time.perf_counter()
+    summary = run_runbook(out, ORDER, dry_run=True, timeouts={"hang": HANG_LIMIT_S},
+                          work_dir=tmp_path_factory.mktemp("gpu-work"), echo=lambda *_: None)
+    return out, summary, time.perf_counter() - t0
+
+
+def test_failing_part_is_recorded_and_the_others_still_run(dry):
+    out, summary, _ = dry
+    parts = summary["parts"]
+    assert list(parts) == ORDER
+    assert parts["fail"]["status"] == "failed"
+    assert "fails on purpose" in parts["fail"]["error"]  # the exception's own line, not just "exit 1"
+    for name in DEFAULT_PARTS:  # including every part that ran after the failure and the hang
+        assert parts[name]["status"] == "ok", (name, parts[name].get("error"), parts[name].get("log_tail", "")[-2000:])
+        assert json.loads((out / f"{name}.json").read_text())
+
+
+def test_part_over_its_limit_is_killed_and_recorded(dry):
+    _, summary, _ = dry
+    rec = summary["parts"]["hang"]
+    assert rec["status"] == "timeout" and rec["rc"] is None
+    assert HANG_LIMIT_S <= rec["seconds"] < HANG_LIMIT_S + 20  # the part sleeps an hour unless killed
+    with pytest.raises(ProcessLookupError):
+        os.kill(rec["pid"], 0)
+
+
+def test_report_and_json_written(dry):
+    out, summary, seconds = dry
+    assert sorted(p.name for p in out.iterdir()) == sorted([f"{p}.json" for p in DEFAULT_PARTS]
+                                                           + ["report.md", "summary.json"])
+    # at most 8 files: what the device tool brings back from $OUT
+    assert len(list(out.iterdir())) <= 8
+    assert json.loads((out / "summary.json").read_text())["parts"] == json.loads(json.dumps(summary["parts"]))
+    report = (out / "report.md").read_text()
+    assert "DRY RUN" in report
+    for name in ORDER:
+        assert f"| {name} |" in report
+    for target in ("at batch 64", "of the bandwidth bound at batch 1", "verify K=4 at batch 16", "mismatch rate",
+                   "exact (same tokens"):
+        assert target in report
+    assert "not measured" not in report.split("## gpu-marked tests")[0]  # every target got a figure
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine["cuda_graphs"]["status"] == "not built"
+    grpo = json.loads((out / "grpo_spec.json").read_text())
+    assert grpo["comparison"]["steps_compared"] == 2
+    assert "spec.enabled=true" in grpo["overrides"]
+    tests = json.loads((out / "pytest.json").read_text())
+    assert "tests/test_gpu.py" in tests["files"] and tests["counts"]["skipped"] >= 1  # no CUDA here
+    print(f"dry run of {len(ORDER)} parts: {seconds:.1f} s")
+
+
+def test_merge_of_two_calls(dry, tmp_path):
+    out, _, _ = dry
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, names in ((a, ["env", "engine"]), (b, ["env", "grpo"])):
+        d.mkdir()
+        s = json.loads((out / "summary.json").read_text())
+        s["parts"] = {n: s["parts"][n] for n in names}
+        (d / "summary.json").write_text(json.dumps(s))
+        for n in names:
+            (d / f"{n}.json").write_text((out / f"{n}.json").read_text())
+    merged = merge(tmp_path / "m", [a, b])
+    assert list(merged["parts"]) == ["env", "engine", "grpo"] and len(merged["calls"]) == 2
+    assert (tmp_path / "m" / "engine.json").is_file() and (tmp_path / "m" / "grpo.json").is_file()
+    report = (tmp_path / "m" / "report.md").read_text()
+    assert "part `identity` not run" in report
+
+
+@pytest.mark.parametrize("args, says", [(["--parts", "env,bogus"], "--parts='env,bogus' is invalid"),
+                                         (["--timeout", "env=0"], "--timeout 'env=0' is invalid"),
+                                         (["--deadline", "-1"], "--deadline=-1.0 is invalid")])
+def test_bad_arguments_one_error_line(tmp_path, args, says):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "gpu", "--out", str(tmp_path / "o"), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr and "valid" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_budgets_fit_the_lease():
+    """The default parts' limits together stay well inside the issue's 25 minutes."""
+    assert sum(PARTS[p].budget_s for p in DEFAULT_PARTS) <= 21 * 60
