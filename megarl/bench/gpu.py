@@ -56,14 +56,14 @@ class Part:
 
 
 PARTS = {
-    "env": Part("megarl.bench.gpu_parts", "env", 60, 60, "device, versions, copy and bf16 matmul ceilings"),
-    "pytest": Part("megarl.bench.gpu_runs", "pytest", 180, 120, "the gpu-marked tests"),
-    "engine": Part("megarl.bench.gpu_runs", "engine", 330, 120,
+    "env": Part("megarl.bench.gpu_parts", "env", 60, 180, "device, versions, copy and bf16 matmul ceilings"),
+    "pytest": Part("megarl.bench.gpu_runs", "pytest", 180, 180, "the gpu-marked tests"),
+    "engine": Part("megarl.bench.gpu_runs", "engine", 330, 180,
                    "decode tok/s vs transformers generate, fraction of the bandwidth bound, verify cost"),
-    "identity": Part("megarl.bench.gpu_parts", "identity", 180, 120,
+    "identity": Part("megarl.bench.gpu_parts", "identity", 180, 180,
                      "token identity, speculation on vs off, per draft source"),
-    "grpo": Part("megarl.bench.gpu_runs", "grpo", 150, 150, "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
-    "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec", 210, 150,
+    "grpo": Part("megarl.bench.gpu_runs", "grpo", 150, 180, "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
+    "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec", 210, 180,
                       "the same run with speculation + bubble drafts: rollout speedup, exactness"),
     # self-test parts (tests/test_bench_gpu.py): a failing part and a hanging one
     "fail": Part("megarl.bench.gpu_parts", "fail", 60, 60, "self-test: raises"),
