@@ -131,6 +131,11 @@ def _grpo_section(name: str, g: dict) -> list[str]:
             f"({_fmt(s['weight_sync_gbps_median'])} GB/s), bubble work {_fmt(s['bubble_time_s_median'])} s", "",
             "| step | step s | " + " | ".join(f"{p} s" for p in ("generate", "reward", "bubble", "train", "sync"))
             + " | rollout tokens | sync GB/s | reward | forward reduction |", "|" + "---|" * 11]
+    moved = sum(1 for st in g["steps"] if (st.get("grad_norm") or 0) > 0)
+    rows.insert(3, "")
+    rows.insert(4, f"policy updated (grad_norm > 0) in {moved} of {len(g['steps'])} steps"
+                + ("" if moved else ": the weights never changed, so bubble drafts are exact copies and a "
+                   "speculation speedup is the ceiling, not a realistic figure"))
     phases = {p["step"]: p for p in g["phases_s"]}
     for st in g["steps"]:
         ph = phases.get(st["step"], {})
