@@ -48,23 +48,8 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in tests.rglob("test_*.py") if mark.search(p.read_text()))
 
 
-def pytest_part(work: Path, dry_run: bool) -> tuple[dict, bool]:
-    files = gpu_test_files()
-    xml = work / "pytest-gpu.xml"
-    xml.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
-    try:  # a hanging test ends as a failure of that test, not of the whole part
-        import pytest_timeout  # noqa: F401
-
-        cmd[4:4] = ["--timeout", "150"]
-    except ImportError:
-        pass
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True)
-    out = {"command": " ".join(cmd), "files": files, "rc": proc.returncode, "seconds": time.perf_counter() - t0,
-           "output_tail": (proc.stdout + proc.stderr)[-3000:], "tests": []}
-    if not xml.is_file():
-        raise RuntimeError(f"pytest wrote no {xml} (exit status {proc.returncode}): {proc.stdout[-800:]}{proc.stderr[-800:]}")
+def _junit(xml: Path) -> list[dict]:
+    tests = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -73,10 +58,42 @@ def pytest_part(work: Path, dry_run: bool) -> tuple[dict, bool]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (el.get("message") or el.text or "")[:600]
                 break
-        out["tests"].append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                             "seconds": float(case.get("time") or 0), "message": message})
-    counts = {k: sum(t["outcome"] == k for t in out["tests"]) for k in ("passed", "failed", "error", "skipped")}
-    out["counts"] = counts
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0), "message": message})
+    return tests
+
+
+def pytest_part(work: Path, json_path: Path, dry_run: bool) -> tuple[dict, bool]:
+    """One pytest process per file, the figures written after each: a part cut at its time limit
+    keeps the files already run."""
+    files = gpu_test_files()
+    base = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    try:  # a hanging test ends as a failure of that test (on the GPU image, which has the plugin)
+        import pytest_timeout  # noqa: F401
+
+        base += ["--timeout", "150"]
+    except ImportError:
+        pass
+    out: dict = {"command": " ".join(base) + " FILE", "files": files, "runs": [], "tests": [], "seconds": 0.0}
+    for i, f in enumerate(files):
+        xml = work / f"pytest-gpu-{i}.xml"
+        xml.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run([*base, f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True,
+                              text=True)
+        dt = time.perf_counter() - t0
+        out["seconds"] += dt
+        out["runs"].append({"file": f, "rc": proc.returncode, "seconds": dt,
+                            "output_tail": (proc.stdout + proc.stderr)[-1500:]})
+        if xml.is_file():
+            out["tests"] += _junit(xml)
+        else:  # e.g. an import error before collection: the file counts as one error
+            out["tests"].append({"test": f, "outcome": "error", "seconds": dt,
+                                 "message": f"pytest wrote no report (exit status {proc.returncode}): "
+                                            f"{(proc.stdout + proc.stderr)[-500:]}"})
+        out["counts"] = {k: sum(t["outcome"] == k for t in out["tests"]) for k in ("passed", "failed", "error", "skipped")}
+        json_path.write_text(json.dumps(out | {"dry_run": dry_run}, indent=2) + "\n")
+    counts = out["counts"]
     return out, counts["failed"] == 0 and counts["error"] == 0 and (dry_run or counts["passed"] > 0)
 
 
@@ -249,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ok = True
     if a.part == "pytest":
-        figures, ok = pytest_part(work, a.dry_run)
+        figures, ok = pytest_part(work, Path(a.json), a.dry_run)
     elif a.part == "engine":
         figures = engine_part(Path(a.json), a.dry_run)
     else:
