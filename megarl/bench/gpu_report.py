@@ -132,6 +132,10 @@ def _grpo_section(name: str, g: dict) -> list[str]:
             "| step | step s | " + " | ".join(f"{p} s" for p in ("generate", "reward", "bubble", "train", "sync"))
             + " | rollout tokens | sync GB/s | reward | forward reduction |", "|" + "---|" * 11]
     moved = sum(1 for st in g["steps"] if (st.get("grad_norm") or 0) > 0)
+    if g.get("deterministic_fallback"):
+        rows.insert(3, f"**ran with deterministic=false**: under deterministic: true it failed with "
+                       f"`{g['deterministic_fallback'][:300]}`")
+        rows.insert(3, "")
     rows.insert(3, "")
     rows.insert(4, f"policy updated (grad_norm > 0) in {moved} of {len(g['steps'])} steps"
                 + ("" if moved else ": the weights never changed, so bubble drafts are exact copies and a "
