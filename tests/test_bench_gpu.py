@@ -6,6 +6,7 @@ the report and summary are written."""
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,36 @@ def test_grpo_falls_back_without_determinism(tmp_path, monkeypatch):
     assert len(calls) == 2 and "deterministic=false" in calls[1] and "deterministic=false" not in calls[0]
     assert "index_add_cuda_" in out["deterministic_fallback"] and "deterministic=false" in out["overrides"]
     assert len(out["steps"]) == 2
+
+
+def test_stopped_runbook_takes_its_running_part_with_it(tmp_path):
+    """SIGTERM to the runner (a command cut off from outside) ends the part it is running: a part
+    left behind would share the GPU with the next call's parts."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runner = subprocess.Popen([sys.executable, "-m", "megarl.bench.gpu", "--out", str(out), "--work-dir",
+                               str(tmp_path / "w"), "--parts", "hang", "--timeout", "hang=300", "--dry-run"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    part = None
+    for _ in range(600):  # until the hang part has started (its command line names this test's folder)
+        found = subprocess.run(["pgrep", "-f", f"gpu_parts hang --json {out}/"], capture_output=True, text=True)
+        if found.stdout.split():
+            part = int(found.stdout.split()[0])
+            break
+        time.sleep(0.2)
+    assert part is not None
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=60) != 0
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(part, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(part, signal.SIGKILL)
+    raise AssertionError(f"the hang part (pid {part}) outlived the runner")

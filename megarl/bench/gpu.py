@@ -87,7 +87,7 @@ def _error_line(text: str) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """The part and every process it started (torchrun, pytest's workers): its own session."""
+    """The part and every process it started (torchrun, pytest's workers): its process group."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -116,13 +116,19 @@ def run_part(name: str, out_dir: Path, work_dir: Path, dry_run: bool, timeout_s:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own process group (killed as one at the limit), not its own session: the device
+        # tool ends a command's leftover processes except those in a new session, and a part
+        # left running would share the GPU with the next call's parts.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
         try:
             rc = proc.wait(timeout=timeout_s)
             status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc, status = None, "timeout"
+        except BaseException:  # the runbook itself stopped (SIGTERM, Ctrl-C): the part goes with it
+            _kill_group(proc)
+            raise
     seconds = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
     rec = {"part": name, "status": status, "rc": rc, "pid": proc.pid, "seconds": round(seconds, 2), "timeout_s": timeout_s,
@@ -264,6 +270,7 @@ def main_args(a: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
     summary = run_runbook(a.out, parts, a.dry_run, timeouts, a.deadline, a.work_dir)
     print(Path(a.out, "report.md").read_text())
     return 0 if all(r["status"] == "ok" for r in summary["parts"].values()) else 1
