@@ -341,9 +341,12 @@ def _unlock(lock, created: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megarl.parallel.launch_env import export_launch_env
+    from megarl.parallel.launch_env import LaunchEnvError, export_launch_env
 
-    export_launch_env()  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
+    try:  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
+        export_launch_env()
+    except LaunchEnvError as e:  # e.g. WORLD_SIZE without RANK: names the variables; nothing written yet
+        return _fail(e)
     configure_logging()
     if args.command == "bench" and args.bench == "engine":
         return _bench_engine(args)
