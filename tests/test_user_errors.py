@@ -167,6 +167,26 @@ def test_bad_config_json_in_hf_folder(capsys, tmp_path):
     assert_refused(rc, err, run_dir, str(hf / "config.json"), "not valid JSON", "expected the model's HF config")
 
 
+def test_cuda_device_on_a_machine_without_one(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    run_dir = tmp_path / "run"
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "rollout.device=cuda:1")
+    assert_refused(rc, err, run_dir, "rollout.device=cuda:1", "no CUDA device is available", "valid here: cpu")
+
+
+def test_drafter_to_start_from_that_is_not_one(capsys, tmp_path):
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    run_dir = tmp_path / "run"
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "spec.enabled=true",
+                      "--set", "spec.drafter.enabled=true", "--set", f"spec.drafter.init_from={folder}")
+    assert_refused(rc, err, run_dir, f"spec.drafter.init_from={folder}", "model.safetensors")
+
+
 def test_launch_env_with_world_size_but_no_rank(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
