@@ -89,6 +89,12 @@ def test_out_of_range_value_is_refused(capsys, tmp_path, command, override, need
     assert_refused(rc, err, run_dir, *needles)
 
 
+def test_refused_start_removes_the_parent_folders_it_created(capsys, tmp_path):
+    run_dir = tmp_path / "new" / "deeper" / "run"
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "rollout.top_k=-1")
+    assert_refused(rc, err, tmp_path / "new", "rollout.top_k=-1")
+
+
 def test_context_too_short_for_the_prompts(capsys, tmp_path):
     run_dir = tmp_path / "run"
     rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "model.max_position_embeddings=8")
