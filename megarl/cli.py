@@ -14,6 +14,7 @@ import errno
 import io
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -74,8 +75,10 @@ def _written_path(exc: OSError, run_dir: str | None) -> str:
 
 def _no_space_message(exc: OSError, run_dir: str | None) -> str:
     what = os.strerror(exc.errno).lower()  # "no space left on device" / "disk quota exceeded"
+    # An atomic write's temporary folder (".step_000002.tmp-ab12", removed by now) by its final name.
+    written = re.sub(r"(^|/)\.([^/]+?)\.(?:tmp-[^/]+|tmp|pieces)(?=/|$)", r"\1\2", _written_path(exc, run_dir))
     if run_dir is None:
-        return f"{what} writing {_written_path(exc, run_dir)}"
+        return f"{what} writing {written}"
     try:
         from megarl.checkpoint.rl_state import latest_checkpoint
 
@@ -83,7 +86,7 @@ def _no_space_message(exc: OSError, run_dir: str | None) -> str:
     except Exception:  # noqa: BLE001 - the message must still come out
         good = None
     last = f"the last good checkpoint is {good}" if good is not None else "no checkpoint was written yet"
-    return f"{what} writing {_written_path(exc, run_dir)}; {last}"
+    return f"{what} writing {written}; {last}"
 
 
 def _fail(exc: BaseException, run_dir: str | None = None) -> int:
@@ -346,9 +349,12 @@ def _unlock(lock, created: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megarl.parallel.launch_env import export_launch_env
+    from megarl.parallel.launch_env import LaunchEnvError, export_launch_env
 
-    export_launch_env()  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
+    try:  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
+        export_launch_env()
+    except LaunchEnvError as e:  # e.g. WORLD_SIZE without RANK: names the variables; nothing written yet
+        return _fail(e)
     configure_logging()
     if args.command == "bench" and args.bench == "engine":
         return _bench_engine(args)

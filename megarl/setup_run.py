@@ -135,10 +135,12 @@ def _cannot_encode(exc: BaseException) -> bool:
 
 
 def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_len: int,
-                   where: Callable[[Problem], str] | None = None) -> list[list[int]]:
+                   where: Callable[[Problem], str] | None = None,
+                   max_len_key: str = "model.max_position_embeddings") -> list[list[int]]:
     """Every prompt's ids, each checked to encode, to be non-empty and to leave room for
     ``max_new_tokens`` in the model's context. ``where``: how a message names a prompt (default
-    ``prompt uid N``; a JSONL set's ``FILE:LINE``)."""
+    ``prompt uid N``; a JSONL set's ``FILE:LINE``); ``max_len_key``: where ``max_len`` comes from
+    (the config key of a fresh model, a checkpoint's config file)."""
     where = where or (lambda p: f"prompt uid {p.uid}")
     ids = []
     for p in problems:
@@ -159,8 +161,8 @@ def encode_prompts(problems: list[Problem], tokenizer, max_new_tokens: int, max_
         fix = (f"rollout.max_new_tokens <= {max_len - n}, " if n < max_len else "") + \
               f"or a model with max_position_embeddings >= {n + max_new_tokens}"
         raise ValueError(f"{where(problems[longest])}: the prompt is {n} tokens; with rollout.max_new_tokens="
-                         f"{max_new_tokens} it needs {n + max_new_tokens} positions but the model has {max_len} "
-                         f"(max_position_embeddings); valid: a shorter prompt, {fix}")
+                         f"{max_new_tokens} it needs {n + max_new_tokens} positions but {max_len_key}={max_len}; "
+                         f"valid: a shorter prompt, {fix}")
     return ids
 
 
@@ -233,7 +235,10 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     if args.eos_token_id is None:
         args.eos_token_id = tokenizer.eos_id
     where = (lambda p: f"{cfg.data.jsonl_path}:{p.uid + 1}") if cfg.data.source == "jsonl" else None
-    prompt_ids = encode_prompts(problems, tokenizer, cfg.rollout.max_new_tokens, args.max_position_embeddings, where)
+    start = cfg.model.init_from_hf or cfg.model.init_from_mcore
+    limit_key = f"max_position_embeddings of {start}" if start else "model.max_position_embeddings"
+    prompt_ids = encode_prompts(problems, tokenizer, cfg.rollout.max_new_tokens, args.max_position_embeddings, where,
+                                limit_key)
     _check_drafter_start(cfg, args)
     max_seq_len = max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens
     return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import checksum
-from megarl.utils.fs import atomic_dir
+from megarl.utils.fs import atomic_dir, torch_save
 from megarl.utils.run_lock import RunLock
 
 _STEP_DIR = re.compile(r"^step_(\d{6})$")
@@ -122,7 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
         written = []
         if dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
             name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
-            torch.save(trainer_state, tmp / name)
+            torch_save(trainer_state, tmp / name)
             written.append(name)
         written += _write_rank_files(tmp, rank_files)
         _write_sidecar(tmp, written, dims.rank)
@@ -143,9 +143,9 @@ def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) ->
     """The files only one process writes, then ``state.json`` with the checksums of every file in
     ``tmp`` (the other processes' from their sidecars)."""
     if name is not None:
-        torch.save(trainer_state, tmp / name)
+        torch_save(trainer_state, tmp / name)
     if ref_state is not None:
-        torch.save(ref_state, tmp / "ref.pt")
+        torch_save(ref_state, tmp / "ref.pt")
     files = {}
     for sidecar in sorted(tmp.glob("*" + _SUM_SUFFIX)):
         files.update(json.loads(sidecar.read_text()))
@@ -161,7 +161,7 @@ def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) ->
 
 def _write_rank_files(tmp: Path, rank_files: dict[str, Any] | None) -> list[str]:
     for name, obj in (rank_files or {}).items():
-        torch.save(obj, tmp / name)
+        torch_save(obj, tmp / name)
     return list(rank_files or {})
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from megarl.models.catalog import missing_hint
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
-from megarl.utils.fs import atomic_dir, umask
+from megarl.utils.fs import atomic_dir, safetensors_os_errors, umask
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,7 +97,8 @@ def save_hf_model(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir:
     with atomic_dir(out_dir) as tmp:
         with open(tmp / "config.json", "w") as f:
             json.dump(args.to_hf_config(torch_dtype=dtype), f, indent=2)
-        save_file(sd, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        with safetensors_os_errors(tmp / SINGLE_FILE):
+            save_file(sd, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         os.chmod(tmp / SINGLE_FILE, 0o666 & ~umask())  # safetensors writes 0600; a model folder is shared
         gen = {k: getattr(args, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                if getattr(args, k) is not None}

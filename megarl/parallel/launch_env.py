@@ -185,8 +185,9 @@ def _checked(source: str, rank: int, world: int, local: int, addr, port, names: 
 def _from_torchrun(env) -> LaunchEnv:
     missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
     if missing:
-        raise LaunchEnvError(f"{' and '.join(missing)} not set while "
-                             f"{'RANK' if 'RANK' in env else 'WORLD_SIZE'} is: set both (torchrun does), or neither")
+        given = "RANK" if "RANK" in env else "WORLD_SIZE"
+        raise LaunchEnvError(f"{' and '.join(missing)} not set while {given} is ({given}={env[given]!r}): set "
+                             f"both (torchrun does; valid: 0 <= RANK < WORLD_SIZE), or neither (one process)")
     rank, world = _int(env["RANK"], "RANK"), _int(env["WORLD_SIZE"], "WORLD_SIZE")
     local = _int(env.get("LOCAL_RANK", "0"), "LOCAL_RANK")
     if world > 1:

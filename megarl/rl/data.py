@@ -65,11 +65,25 @@ def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = No
                 except Exception as e:  # noqa: BLE001 - HF tokenizers raise plain Exceptions
                     if not isinstance(e, ValueError) and type(e) is not Exception:
                         raise
-                    raise ValueError(f"{where}: prompt cannot be tokenized: {' '.join(str(e).split())}") from None
+                    raise ValueError(f"{where}: prompt cannot be tokenized: {' '.join(str(e).split())}"
+                                     f"{_first_bad_char(tokenizer, row['prompt'])}; valid: text the tokenizer "
+                                     f"({getattr(tokenizer, 'path', None) or type(tokenizer).__name__}) "
+                                     f"can encode") from None
             problems.append(Problem(uid=idx, prompt=row["prompt"], answer=row["answer"]))
     if not problems:
         raise ValueError(f"prompt file {str(path)!r} holds no problems; {_EXPECTED}")
     return problems
+
+
+def _first_bad_char(tokenizer, text: str) -> str:
+    """`` (the character 'é' at column 5)``: the first character that fails to encode alone, or
+    ``""`` (called on a failure only)."""
+    for col, ch in enumerate(text, 1):
+        try:
+            tokenizer.encode(ch)
+        except Exception:  # noqa: BLE001 - any failure marks the character
+            return f" (the character {ch!r} at column {col})"
+    return ""
 
 
 def extract_answer(response_text: str) -> str:

@@ -33,7 +33,7 @@ from torch import nn
 from megarl.engine.sampler import filter_logits, gumbel_noise
 from megarl.models.config import ModelArgs
 from megarl.models.llama import DecoderLayer, RMSNorm, attention, rope_cos_sin
-from megarl.utils.fs import atomic_dir
+from megarl.utils.fs import atomic_dir, safetensors_os_errors
 
 ARCHITECTURE = "MegarlEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -142,7 +142,8 @@ def save_drafter(drafter: Drafter, out_dir: str | os.PathLike) -> Path:
            "layer_config": drafter.args.to_hf_config(torch_dtype=dtype)}
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        with safetensors_os_errors(tmp / WEIGHTS):
+            save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
     return Path(out_dir)
 
 

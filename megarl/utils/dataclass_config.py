@@ -178,8 +178,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
                     node[part] = yaml.safe_load(raw) if raw.strip() else ""
                 except yaml.YAMLError as e:
                     why = " ".join(str(getattr(e, "problem", None) or e).split())
-                    raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({why}); quote "
-                                      f"it for a string, e.g. --set '{path.strip()}=\"{raw}\"'") from None
+                    section = typing.get_type_hints(tp)[part]
+                    if dataclasses.is_dataclass(section):  # quoting would not help: a section takes no string
+                        keys = sorted(f.name for f in dataclasses.fields(section))
+                        hint = f"{path.strip()} is a section: set its keys one by one, e.g. " \
+                               f"--set {path.strip()}.{keys[0]}=VALUE (valid keys: {keys})"
+                    else:
+                        hint = f"quote it for a string, e.g. --set '{path.strip()}=\"{raw}\"'"
+                    raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({why}); "
+                                      f"{hint}") from None
             else:
                 tp = typing.get_type_hints(tp)[part]
                 if not dataclasses.is_dataclass(tp):

@@ -56,3 +56,43 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+# Full disks. Python's own file writes raise OSError(ENOSPC), which the CLI turns into one line
+# naming the file and the last good checkpoint; two libraries do not (measured on a full tmpfs):
+# ``torch.save(obj, path)`` (its C++ writer) raises RuntimeError("... unexpected pos ...") and
+# safetensors' ``save_file`` a SafetensorError("... No space left on device (os error 28)").
+
+
+def torch_save(obj, path: str | os.PathLike) -> None:
+    """``torch.save`` through a Python file object: a full disk is then ``OSError(ENOSPC)`` with
+    ``path`` as its file name (same bytes as ``torch.save(obj, path)``)."""
+    import torch
+
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except Exception as e:  # noqa: BLE001 - only an OSError (maybe under torch's RuntimeError) is rewritten
+        # torch's zip writer meets the OSError of a write, then raises a RuntimeError of its own
+        # while closing the archive: the OSError is that one's context.
+        err, depth = e, 0
+        while err is not None and not isinstance(err, OSError) and depth < 8:
+            err, depth = err.__cause__ or err.__context__, depth + 1
+        if not isinstance(err, OSError) or err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, os.fspath(path)) from e  # a file object's write names no file
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise safetensors' I/O failure while writing ``path`` as the ``OSError`` it wraps
+    (``os error N`` in its message), so a full disk reads as one."""
+    import re
+
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only SafetensorError's "(os error N)" is rewritten
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if type(e).__name__ != "SafetensorError" or m is None:
+            raise
+        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), os.fspath(path)) from e
