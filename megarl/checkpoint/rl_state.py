@@ -122,7 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
         written = []
         if dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
             name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
-            torch.save(trainer_state, tmp / name)
+            _save(trainer_state, tmp / name)
             written.append(name)
         written += _write_rank_files(tmp, rank_files)
         _write_sidecar(tmp, written, dims.rank)
@@ -143,9 +143,9 @@ def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) ->
     """The files only one process writes, then ``state.json`` with the checksums of every file in
     ``tmp`` (the other processes' from their sidecars)."""
     if name is not None:
-        torch.save(trainer_state, tmp / name)
+        _save(trainer_state, tmp / name)
     if ref_state is not None:
-        torch.save(ref_state, tmp / "ref.pt")
+        _save(ref_state, tmp / "ref.pt")
     files = {}
     for sidecar in sorted(tmp.glob("*" + _SUM_SUFFIX)):
         files.update(json.loads(sidecar.read_text()))
@@ -159,9 +159,27 @@ def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) ->
         json.dump(meta, f, indent=2)
 
 
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` that fails on a full disk with ``OSError(ENOSPC, ..., path)``.
+
+    Why not ``torch.save(obj, path)``: given a path, torch writes through its own C++ stream and
+    a full disk surfaces as ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos ...``, which names neither the cause nor the file, so the CLI cannot say "no space left
+    on device writing PATH" (issue 24) and prints a traceback. Through a Python file object the
+    failing ``write`` raises the ``OSError`` (torch chains it as the RuntimeError's cause)."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as e:
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if isinstance(cause, OSError) and cause.errno is not None and cause.filename is None:
+            raise OSError(cause.errno, os.strerror(cause.errno), str(path)) from e
+        raise
+
+
 def _write_rank_files(tmp: Path, rank_files: dict[str, Any] | None) -> list[str]:
     for name, obj in (rank_files or {}).items():
-        torch.save(obj, tmp / name)
+        _save(obj, tmp / name)
     return list(rank_files or {})
 
 
