@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.cli_runs import ROOT, assert_weights_change_every_step, deterministic_part, megarl, read_metrics
@@ -80,7 +81,6 @@ def test_tensorboard_events_equal_metrics_and_report_draws_curves(smoke_run, tmp
     numeric metric of metrics.jsonl at its step with the same value (TensorBoard stores float32),
     one point per step; ``megarl report`` draws the metric curves as PNGs."""
     import numpy as np
-    import pytest
 
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
