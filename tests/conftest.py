@@ -27,3 +27,16 @@ def smollm2_dir():
         if os.environ.get("CI", "").lower() == "true":
             raise
         pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """One uninterrupted ``megarl train --config configs/smoke.yaml`` run (SFT, 4 RL steps that each
+    change the weights, checkpoints 0/2/4, export), shared read-only by tests/test_e2e.py and
+    tests/test_faults.py as the reference every resumed or faulted run must equal (copy it before
+    writing into it)."""
+    from tests.cli_runs import SMOKE, megarl
+
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    megarl("train", "--config", SMOKE, "--run-dir", str(run_dir))
+    return run_dir

@@ -3,50 +3,23 @@
 Runs go through the real CLI in subprocesses: Megatron's parallel state is per process.
 """
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megarl.train import TIME_KEYS
+from tests.cli_runs import ROOT, assert_weights_change_every_step, deterministic_part, megarl, read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "reward_mean", "entropy_mean", "response_len_mean", "response_len_max", "rollout_tokens",
             "target_forwards", "rollout_time_s", "train_time_s", "step_time_s"}
-
-
-def megarl(*args, check=True):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"megarl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def deterministic_part(m: dict) -> dict:
-    """A metrics line without its timings: what a repeated or resumed run must reproduce."""
-    return {k: v for k, v in m.items() if k not in TIME_KEYS}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(run_dir))
-    return run_dir
+# (the smoke_run fixture, the uninterrupted reference run, is in tests/conftest.py: tests/test_faults.py shares it)
 
 
 def test_smoke_run_writes_metrics_checkpoints_and_export(smoke_run):
     metrics = read_metrics(smoke_run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert_weights_change_every_step(metrics)  # what makes the resume and fault tests able to fail
     for m in metrics:
         assert REQUIRED <= set(m), REQUIRED - set(m)
         assert m["rollout_tokens"] >= m["response_len_max"] > 0
@@ -80,6 +53,9 @@ def test_export_greedy_matches_engine(smoke_run):
 
 
 def test_resume_reproduces_next_steps_exactly(smoke_run, tmp_path):
+    """Resumed from checkpoint 2, steps 3-4 repeat the uninterrupted run bitwise. The steps compared
+    change the weights (nonzero gradients, new checksums) and start from Adam moments of two real
+    updates, so a resume that restored the weights or the optimizer state wrongly would differ."""
     resumed = tmp_path / "resumed"
     shutil.copytree(smoke_run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000004")
@@ -87,11 +63,47 @@ def test_resume_reproduces_next_steps_exactly(smoke_run, tmp_path):
     megarl("train", "--config", "configs/smoke.yaml", "--run-dir", str(resumed), "--resume")
     full, again = read_metrics(smoke_run), read_metrics(resumed)
     assert [m["step"] for m in again] == [1, 2, 3, 4]
+    assert_weights_change_every_step(full)
     for a, b in zip(full, again):
         assert deterministic_part(a) == deterministic_part(b)
     from safetensors.torch import load_file
     w1, w2 = load_file(smoke_run / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    # The export is not the checkpoint resumed from: the resumed steps moved the weights.
+    at_resume = torch.load(smoke_run / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)["model"]
+    at_resume = at_resume[0] if isinstance(at_resume, list) else at_resume
+    emb = next(v for k, v in at_resume.items() if k.endswith("embedding.word_embeddings.weight"))
+    assert not torch.equal(emb.to(w2["model.embed_tokens.weight"].dtype), w2["model.embed_tokens.weight"])
+
+
+def test_tensorboard_events_equal_metrics_and_report_draws_curves(smoke_run, tmp_path):
+    """Issue 22: the run's TensorBoard event files, read with TensorBoard's own reader, hold every
+    numeric metric of metrics.jsonl at its step with the same value (TensorBoard stores float32),
+    one point per step; ``megarl report`` draws the metric curves as PNGs."""
+    import numpy as np
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megarl.utils.metrics_log import scalar_tag
+
+    assert list((smoke_run / "tensorboard").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(smoke_run / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    metrics = read_metrics(smoke_run)
+    numeric = {k for m in metrics for k, v in m.items()
+               if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert len(numeric) > 20 and set(scalars) == {scalar_tag(k) for k in numeric}
+    for k in sorted(numeric):
+        want = [(m["step"], np.float32(m[k])) for m in metrics if k in m]
+        assert scalars[scalar_tag(k)] == want, k
+    out = tmp_path / "report"
+    proc = megarl("report", str(smoke_run), "--out", str(out))
+    pngs = {p.name for p in out.glob("*.png")}
+    assert {"reward.png", "entropy.png", "response_length.png", "step_time.png"} <= pngs, pngs
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(out / name) in proc.stdout
 
 
 def test_existing_run_dir_needs_resume(smoke_run):

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
@@ -70,7 +71,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _live_holder(fd)
             os.close(fd)
             raise RunDirLocked(_held_message(self.run_dir, self.path, holder), holder) from None
         except BaseException:
@@ -125,6 +126,31 @@ def _read_holder(fd: int) -> dict:
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def _live_holder(fd: int, wait_s: float = 1.0) -> dict:
+    """The holder of the (held) lock ``fd`` as it wrote itself into the file. Why wait: a run that
+    has just taken the flock writes its pid a moment later, after reading the file's old content;
+    a run started at the same moment would otherwise name nobody, or the dead previous holder
+    whose pid is still in the file. So for up to ``wait_s`` re-read while the file is empty or
+    names a process of this host that is not running."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = _read_holder(fd)
+        if (holder and (holder.get("host") != socket.gethostname() or _running(holder.get("pid")))) \
+                or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.01)
+
+
+def _running(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 def _write_holder(fd: int) -> None:

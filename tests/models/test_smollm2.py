@@ -215,7 +215,7 @@ def test_grpo_on_smollm2_resumes_exactly_at_temperature(smollm2_dir, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from tests.test_e2e import deterministic_part, megarl, read_metrics
+    from tests.cli_runs import deterministic_part, megarl, read_metrics
 
     run = tmp_path / "run"
     overrides = ["rl_steps=2", "checkpoint_every=1", "data.reasoning_gym.size=8", "rollout.prompts_per_step=2",

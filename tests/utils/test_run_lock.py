@@ -64,6 +64,32 @@ def test_second_process_fails_within_a_second_naming_the_holder(tmp_path):
         assert str(run_dir) in message and "--run-dir" in message
 
 
+def test_a_run_taking_the_lock_this_moment_is_named_not_the_dead_previous_holder(tmp_path):
+    """Two runs started together: the winner holds the flock a moment before it writes its pid over
+    the dead previous holder's; the refused run waits for that instead of naming the dead pid."""
+    import fcntl
+    import threading
+
+    from megarl.utils import run_lock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "x"}))
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the winner, before it wrote itself in
+        writer = threading.Timer(0.2, run_lock._write_holder, args=(fd,))
+        writer.start()
+        with pytest.raises(RunDirLocked) as err:
+            RunLock(run_dir).acquire()
+        writer.join()
+    finally:
+        os.close(fd)
+    assert err.value.holder["pid"] == os.getpid() and f"pid {os.getpid()} on host" in str(err.value)
+
+
 def test_lock_of_a_sigkilled_holder_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     holder = _holder(run_dir)
