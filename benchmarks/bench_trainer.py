@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import os
 import statistics
 import tempfile
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-step", action="store_true", help="part 1 only")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N ops (torch profiler, self CPU time) "
+                    "of one forward/backward on each side, then stop")
     a = ap.parse_args()
 
     from megarl.parallel.dist import init_parallel
@@ -133,7 +136,7 @@ def main() -> None:
           f"longest: {padded}) micro_batch={a.micro_batch} threads={torch.get_num_threads()}")
     from megarl.rl.grpo import grpo_loss_fn
 
-    loss_fn = grpo_loss_fn(GRPOConfig(), num_tokens)
+    loss_fn = grpo_loss_fn(GRPOConfig(), num_tokens, old=None)  # ratio to this forward, detached
 
     def mcore(pack: bool):
         def run():
@@ -142,8 +145,22 @@ def main() -> None:
             tr.accumulate(batch, loss_fn)
         return run
 
+    # Run against an older megarl (PYTHONPATH=an export of another commit): its trainer has no
+    # packing and its update always takes the old-logprob forward; only its own variant is timed.
+    legacy = "old_forward" not in inspect.signature(grpo_update).parameters
     sides = {"hf": lambda: hf_fwd_bwd(hf, batch, a.micro_batch, num_tokens), "mcore_packed": mcore(True),
              "mcore_padded": mcore(False)}
+    if legacy:
+        sides = {"hf": sides["hf"], "mcore_legacy": mcore(False)}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for k, fn in sides.items():
+            fn()  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            print(f"\n## {k}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile))
+        return
     times = {k: [] for k in sides}
     for rep in range(a.reps + 1):  # round 0: warm-up
         for k, fn in sides.items():
@@ -168,14 +185,17 @@ def main() -> None:
         "after: no old forward, packed": (False, True, 0),
         f"no old forward, packed, budget {budget} tokens": (False, True, budget),
     }
+    if legacy:
+        variants = {"legacy (this megarl's grpo_update)": (True, False, 0)}
     steps = {k: [] for k in variants}
     for rep in range(a.reps + 1):
         for k, (old, pack, tokens) in variants.items():
             tr.pack, tr.cfg.micro_batch_tokens = pack, tokens
-            t = timed(lambda: grpo_update(tr, groups, spec, old_forward=old))
+            kw = {} if legacy else {"old_forward": old}
+            t = timed(lambda: grpo_update(tr, groups, spec, **kw))
             if rep:
                 steps[k].append(t)
-    base = statistics.median(steps["before: old forward, padded"])
+    base = statistics.median(next(iter(steps.values())))
     print("\n| GRPO step (grpo_update) | s / step | ms / 1000 real tokens | speedup over before |")
     print("|---|---|---|---|")
     for k, v in steps.items():

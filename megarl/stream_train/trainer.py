@@ -75,6 +75,8 @@ class TrainerConfig:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: ['float32', 'float64']")
         check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
+        check_number("trainer.micro_batch_tokens", self.micro_batch_tokens, ge=0, integer=True,
+                     note="0 = micro-batches of micro_batch_size rows")
         for name in ("lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2"):  # (clip_grad 0: no clipping)
             check_number(f"trainer.{name}", getattr(self, name), ge=0, lt=1 if name.startswith("adam") else None)
         check_number("trainer.adam_eps", self.adam_eps, gt=0)
@@ -108,9 +110,6 @@ class Trainer(TrainerState):
         if self.dtype == torch.float64 and dims.device.type == "cuda":
             raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
-        if cfg.micro_batch_tokens < 0:
-            raise ValueError(f"TrainerConfig.micro_batch_tokens={cfg.micro_batch_tokens} must be >= 0 (0: cut "
-                             f"micro-batches by micro_batch_size rows)")
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
         # Rows packed without padding (THD); virtual pipeline stages need one shape for every

@@ -14,6 +14,8 @@ def test_row_groups_fill_the_token_budget():
     groups = row_groups(lengths, order, size=4, max_tokens=10)
     assert [g.tolist() for g in groups] == [[5, 1, 3], [0], [2], [4]]  # 9 | 5 (+9 > 10) | 9 | 20 alone
     assert [g.tolist() for g in row_groups(lengths, order, size=4)] == [[5, 1, 3, 0], [2, 4]]
+    with pytest.raises(ValueError, match=r"trainer.micro_batch_tokens=-3 is invalid; valid range: >= 0"):
+        TrainerConfig(micro_batch_tokens=-3)
 
 
 def test_packed_model_input_layout():
