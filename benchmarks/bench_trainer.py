@@ -14,8 +14,9 @@ the same forward's detached logprobs) and its backward. HF (``transformers``, SD
 the rows right padded to the micro-batch's longest with an attention mask, full logits,
 ``log_softmax`` in fp32, gathered. Megatron: ``Trainer.begin_step`` + ``accumulate`` (packed
 rows, output layer on the loss positions only; and with ``pack`` off, padded rows). Timed A/B
-alternated, ``--reps`` rounds after one warm-up; the table gives the median ms per 1000 real
-tokens (prompt + response tokens, padding not counted) and HF's time over Megatron's.
+alternated, ``--reps`` rounds after one warm-up; the table gives ms per 1000 real tokens (prompt +
+response tokens, padding not counted), wall (median and min over rounds) and CPU time of the process
+(median; on a shared machine the steadier of the two), and HF's time over Megatron's.
 
 Part 2, the GRPO step (``megarl.stages.update.grpo_update``: forward/backward and the optimizer
 step) with the separate old-logprob forward on/off, padded/packed rows, and micro-batches of
@@ -95,10 +96,18 @@ def hf_fwd_bwd(hf, batch, micro_batch: int, num_tokens: float) -> None:
         loss.backward()
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of ``fn()``. On a shared machine the wall time
+    depends on the neighbours; the CPU time (both threads' work) much less: both are reported."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def summary(runs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(median wall, min wall, median CPU) seconds."""
+    wall, cpu = [w for w, _ in runs], [c for _, c in runs]
+    return statistics.median(wall), min(wall), statistics.median(cpu)
 
 
 def main() -> None:
@@ -167,12 +176,15 @@ def main() -> None:
             t = timed(fn)
             if rep:
                 times[k].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print("\n| forward/backward (equal micro-batches) | ms / 1000 real tokens | HF time / this |")
-    print("|---|---|---|")
-    for k, t in med.items():
-        print(f"| {k} | {1e6 * t / real:.1f} | {med['hf'] / t:.2f}x |")
-    print("per-round seconds:", {k: [round(x, 3) for x in v] for k, v in times.items()})
+    med = {k: summary(v) for k, v in times.items()}
+    print("\n| forward/backward (equal micro-batches) | wall ms / 1k real tokens (median, min) "
+          "| CPU ms / 1k real tokens | HF / this: wall median, wall min, CPU |")
+    print("|---|---|---|---|")
+    h = med["hf"]
+    for k, (wm, wn, c) in med.items():
+        print(f"| {k} | {1e6 * wm / real:.1f}, {1e6 * wn / real:.1f} | {1e6 * c / real:.1f} "
+              f"| {h[0] / wm:.2f}x, {h[1] / wn:.2f}x, {h[2] / c:.2f}x |")
+    print("per-round (wall, CPU) seconds:", {k: [(round(w, 3), round(c, 3)) for w, c in v] for k, v in times.items()})
     if a.skip_step:
         return
 
@@ -195,14 +207,14 @@ def main() -> None:
             t = timed(lambda: grpo_update(tr, groups, spec, **kw))
             if rep:
                 steps[k].append(t)
-    base = statistics.median(next(iter(steps.values())))
-    print("\n| GRPO step (grpo_update) | s / step | ms / 1000 real tokens | speedup over before |")
+    base = summary(next(iter(steps.values())))
+    print("\n| GRPO step (grpo_update) | wall s / step (median, min) | CPU s / step | speedup over the first: "
+          "wall median, wall min, CPU |")
     print("|---|---|---|---|")
     for k, v in steps.items():
-        t = statistics.median(v)
-        print(f"| {k} | {t:.3f} | {1e6 * t / real:.1f} | {base / t:.2f}x |")
-    print("per-round seconds:", {k: [round(x, 3) for x in v] for k, v in steps.items()})
-
+        wm, wn, c = summary(v)
+        print(f"| {k} | {wm:.3f}, {wn:.3f} | {c:.3f} | {base[0] / wm:.2f}x, {base[1] / wn:.2f}x, {base[2] / c:.2f}x |")
+    print("per-round (wall, CPU) seconds:", {k: [(round(w, 3), round(c, 3)) for w, c in v] for k, v in steps.items()})
 
 if __name__ == "__main__":
     main()
