@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-step", action="store_true", help="part 1 only")
+    ap.add_argument("--skip-fwd-bwd", action="store_true", help="part 2 only")
+    ap.add_argument("--variants", default="0,1,2,3,4", help="part 2's variants to run (indices, in table order)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops (torch profiler, self CPU time) "
                     "of one forward/backward on each side, then stop")
     a = ap.parse_args()
@@ -171,20 +173,21 @@ def main() -> None:
             print(f"\n## {k}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile))
         return
     times = {k: [] for k in sides}
-    for rep in range(a.reps + 1):  # round 0: warm-up
+    for rep in range(0 if a.skip_fwd_bwd else a.reps + 1):  # round 0: warm-up
         for k, fn in sides.items():
             t = timed(fn)
             if rep:
                 times[k].append(t)
-    med = {k: summary(v) for k, v in times.items()}
-    print("\n| forward/backward (equal micro-batches) | wall ms / 1k real tokens (median, min) "
-          "| CPU ms / 1k real tokens | HF / this: wall median, wall min, CPU |")
-    print("|---|---|---|---|")
-    h = med["hf"]
-    for k, (wm, wn, c) in med.items():
-        print(f"| {k} | {1e6 * wm / real:.1f}, {1e6 * wn / real:.1f} | {1e6 * c / real:.1f} "
-              f"| {h[0] / wm:.2f}x, {h[1] / wn:.2f}x, {h[2] / c:.2f}x |")
-    print("per-round (wall, CPU) seconds:", {k: [(round(w, 3), round(c, 3)) for w, c in v] for k, v in times.items()})
+    med = {k: summary(v) for k, v in times.items() if v}
+    if med:
+        print("\n| forward/backward (equal micro-batches) | wall ms / 1k real tokens (median, min) "
+              "| CPU ms / 1k real tokens | HF / this: wall median, wall min, CPU |")
+        print("|---|---|---|---|")
+        h = med["hf"]
+        for k, (wm, wn, c) in med.items():
+            print(f"| {k} | {1e6 * wm / real:.1f}, {1e6 * wn / real:.1f} | {1e6 * c / real:.1f} "
+                  f"| {h[0] / wm:.2f}x, {h[1] / wn:.2f}x, {h[2] / c:.2f}x |")
+        print("per-round (wall, CPU) seconds:", {k: [(round(w, 3), round(c, 3)) for w, c in v] for k, v in times.items()})
     if a.skip_step:
         return
 
@@ -197,6 +200,8 @@ def main() -> None:
         "after: no old forward, packed": (False, True, 0),
         f"no old forward, packed, budget {budget} tokens": (False, True, budget),
     }
+    keep = [int(i) for i in a.variants.split(",")]
+    variants = {k: v for i, (k, v) in enumerate(variants.items()) if i in keep}
     if legacy:
         variants = {"legacy (this megarl's grpo_update)": (True, False, 0)}
     steps = {k: [] for k in variants}
@@ -215,6 +220,7 @@ def main() -> None:
         wm, wn, c = summary(v)
         print(f"| {k} | {wm:.3f}, {wn:.3f} | {c:.3f} | {base[0] / wm:.2f}x, {base[1] / wn:.2f}x, {base[2] / c:.2f}x |")
     print("per-round (wall, CPU) seconds:", {k: [(round(w, 3), round(c, 3)) for w, c in v] for k, v in steps.items()})
+
 
 if __name__ == "__main__":
     main()
