@@ -183,23 +183,50 @@ class UpdateSpec:
 
 
 def grpo_batch(groups: Sequence, group_size: int, pad_id: int, normalize_std: bool) -> dict[str, Tensor]:
-    """``input_ids``, ``loss_mask`` (megarl/rl/batching.py) and per-row ``advantages`` of
-    ``groups`` (objects with ``results``, each with ``prompt_ids`` and ``tokens``, and
-    ``rewards``): the prompt/response boundary is the engine's, in token space."""
+    """``input_ids``, ``loss_mask`` (megarl/rl/batching.py), per-row ``advantages`` and
+    ``rollout_logprobs`` [B, T-1] (fp64: the engine's logprob of each response token where
+    ``loss_mask`` is set, 0 elsewhere) of ``groups`` (objects with ``results``, each with
+    ``prompt_ids``, ``tokens`` and ``logprobs``, and ``rewards``): the prompt/response boundary is
+    the engine's, in token space."""
     results = [r for g in groups for r in g.results]
     rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
     batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], pad_id)
     batch["advantages"] = group_advantages(rewards, group_size, normalize_std=normalize_std)
+    eng = torch.zeros(batch["loss_mask"].shape, dtype=torch.float64)
+    for b, r in enumerate(results):
+        start = len(r.prompt_ids) - 1  # the prediction of the first response token
+        eng[b, start:start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float64)
+    batch["rollout_logprobs"] = eng
     return batch
 
 
-def grpo_loss_fn(c: GRPOConfig, num_tokens: float, old: str | None = "old_logprobs") -> Callable:
+def logprob_diff_max(logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> float:
+    """Largest |trainer logprob - engine logprob| over the response tokens (``loss_mask``), in
+    fp64: the on-policy check. Every sample must come from the weights being trained, so the two
+    agree up to the engine's and trainer's rounding; a sample carried over from older weights
+    shows up at once. Holds at every temperature: both sides are logprobs of softmax(logits / T),
+    top-k/top-p not applied (the trainer's must be taken at the rollout's temperature)."""
+    diff = (logprobs.detach().double() - rollout_logprobs.double()).abs()
+    return float(torch.where(loss_mask.bool(), diff, torch.zeros((), dtype=diff.dtype)).max()) if diff.numel() else 0.0
+
+
+def grpo_loss_fn(c: GRPOConfig, num_tokens: float, old: str | None = None) -> Callable:
     """The trainer's ``loss_fn(logprobs, micro_batch)``: :func:`grpo_loss` normalised by
-    ``num_tokens``, with the old policy's logprobs from the micro-batch's ``old`` entry, or
-    (``old=None``: one optimizer step per RL step, old policy = current) this forward's, detached."""
+    ``num_tokens``. The old policy's logprobs: by default (one optimizer step per RL step, old
+    policy = current) this forward's, detached: the ratio is 1 in value and its gradient that of
+    the ratio to a separate identical forward's; or the micro-batch's ``old`` entry (logprobs of a
+    separate forward, e.g. ``old_logprobs``).
+
+    With ``rollout_logprobs`` in the micro-batch (:func:`grpo_batch`) the metrics hold
+    ``logprob_diff_max`` (:func:`logprob_diff_max` of this forward), which the trainer reduces by
+    max over micro-batches and data-parallel ranks (its ``*_max`` convention)."""
     def loss_fn(logprobs: Tensor, mb: dict):
         old_lp = mb[old] if old is not None else logprobs.detach()
-        return grpo_loss(logprobs, old_lp, mb["advantages"], mb["loss_mask"], num_tokens, clip_eps_low=c.clip_eps_low,
-                         clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef, ref_logprobs=mb.get("ref_logprobs"))
+        loss, metrics = grpo_loss(logprobs, old_lp, mb["advantages"], mb["loss_mask"], num_tokens,
+                                  clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef,
+                                  ref_logprobs=mb.get("ref_logprobs"))
+        if "rollout_logprobs" in mb:
+            metrics["logprob_diff_max"] = logprob_diff_max(logprobs, mb["rollout_logprobs"], mb["loss_mask"])
+        return loss, metrics
 
     return loss_fn

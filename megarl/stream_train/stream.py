@@ -25,8 +25,9 @@ class StreamUpdate:
     Normalisation by the step's final count: a group's loss is its masked token sum (normaliser
     1), and :meth:`finish` multiplies the summed gradients by 1 / (response tokens of the whole
     step, over every data-parallel rank), which is known only then. One update per step means
-    the old policy is the current one: the old logprobs are this very forward's, detached (the
-    non-streamed path computes them in a separate forward: equal up to rounding).
+    the old policy is the current one: the old logprobs are this very forward's, detached, as in
+    the non-streamed update (megarl/stages/update.py); the on-policy check ``logprob_diff_max``
+    comes from the same forward (max over the step's groups and the data-parallel ranks).
 
     Each trainer replica trains the groups its own rollout group generated, so the trainer's TP
     group must be a rollout group: trainer PP = EP = 1 and rollout TP = trainer TP (checked at

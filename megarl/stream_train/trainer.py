@@ -6,8 +6,8 @@ accumulate, data-parallel replicas' gradients are summed (``calculate_per_token_
 Megatron's DDP use scaling factor 1), nothing is divided by the number of micro-batches.
 
 Metrics: ``loss_fn``'s metrics are summed over micro-batches and data-parallel ranks (they are
-sums normalised by the step's count too), except those named ``*_max``, which are maxima: reduced
-by max and never scaled (e.g. GRPO's on-policy check ``logprob_diff_max``).
+sums normalised by the step's count too), except those named ``*_max``, which are maxima
+(megarl/stream_train/step_metrics.py).
 
 Temperature: the logprobs handed to ``loss_fn`` and returned by :meth:`Trainer.masked_logprobs`
 are ``log softmax(logits / temperature)`` (``temperature`` argument, default 1; 0 reads as 1), the
@@ -22,7 +22,6 @@ rows are right padded to the batch's longest instead. Both give the same logprob
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from dataclasses import dataclass
@@ -31,15 +30,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.models import mcore_mapping
 from megarl.models.config import ModelArgs
-from megarl.checkpoint.convert import load_piece, read_hf_piece, read_meta
-from megarl.models import mcore_sharding
+from megarl.checkpoint.convert import load_piece, read_hf_piece
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.dist import ParallelDims, trainer_world
+from megarl.stream_train import step_metrics
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
 from megarl.stream_train.micro_batches import ModelInput, length_order, micro_batches, model_input, pad_rows
 from megarl.stream_train.model import build_gpt_model, load_hf_state, load_state, parse_dtype
+from megarl.stream_train.trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +75,8 @@ class TrainerConfig:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: ['float32', 'float64']")
         check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
+        check_number("trainer.micro_batch_tokens", self.micro_batch_tokens, ge=0, integer=True,
+                     note="0 = micro-batches of micro_batch_size rows")
         for name in ("lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2"):  # (clip_grad 0: no clipping)
             check_number(f"trainer.{name}", getattr(self, name), ge=0, lt=1 if name.startswith("adam") else None)
         check_number("trainer.adam_eps", self.adam_eps, gt=0)
@@ -88,7 +89,7 @@ def _finalize_grads(finalize, model, num_tokens=None, **kwargs) -> None:
     finalize(model, None, **kwargs)
 
 
-class Trainer:
+class Trainer(TrainerState):
     """Owns this rank's piece of the Megatron model (its TP rank and PP stage), its DDP wrapper and
     optimizer."""
 
@@ -109,9 +110,6 @@ class Trainer:
         if self.dtype == torch.float64 and dims.device.type == "cuda":
             raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
-        if cfg.micro_batch_tokens < 0:
-            raise ValueError(f"TrainerConfig.micro_batch_tokens={cfg.micro_batch_tokens} must be >= 0 (0: cut "
-                             f"micro-batches by micro_batch_size rows)")
         self.steps_done = 0
         self.lr = cfg.lr  # current learning rate (set_lr changes it, e.g. SFT -> RL)
         # Rows packed without padding (THD); virtual pipeline stages need one shape for every
@@ -172,18 +170,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_mcore_layout(self, mcore_dir: str) -> None:
-        """``mcore_dir`` holds this trainer's model in this trainer's layout."""
-        meta, args = read_meta(mcore_dir)
-        d = self.dims
-        got, want = ({k: meta[k] for k in ("tp", "pp", "vpp", "ep")},
-                     {"tp": d.tp, "pp": d.pp, "vpp": d.vpp, "ep": d.ep})
-        if got != want:
-            raise ValueError(f"{mcore_dir} was converted for trainer layout {got}; this trainer is {want}")
-        if mcore_mapping.hf_shapes(args) != mcore_mapping.hf_shapes(self.args):
-            raise ValueError(f"{mcore_dir} holds another model than this trainer's: {args.model_type} with tensor "
-                             f"shapes differing from this {self.args.model_type}'s")
-
     def _build_optimizer(self) -> None:
         """A fresh Megatron optimizer (no moments) over the model's parameters."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -216,13 +202,6 @@ class Trainer:
     def gpt(self):
         """The unwrapped Megatron GPTModel (the first chunk with virtual pipeline stages)."""
         return self.models[0].module
-
-    def local_pieces(self) -> dict[int, dict[str, torch.Tensor]]:
-        """This rank's weights by pipeline stage (``dims.stage(chunk)`` for each model chunk): each
-        a local Megatron state dict (``mcore_sharding.shard_rank``'s layout of that stage), the
-        tensors themselves (no copies)."""
-        return {self.dims.stage(c): {k: v for k, v in m.module.state_dict().items() if not k.endswith("_extra_state")}
-                for c, m in enumerate(self.models)}
 
     def _apply_lr_and_wd(self) -> None:
         """What Megatron's OptimizerParamScheduler does at a constant lr: per-group lr and weight
@@ -346,24 +325,6 @@ class Trainer:
                 out[rows[real], :lp.shape[1]] = lp[real]
         return self._broadcast_from_last_stage(out)
 
-    @staticmethod
-    def _is_max(key: str) -> bool:
-        """A ``loss_fn`` metric reduced by max, not summed (module docstring)."""
-        return key.endswith("_max")
-
-    def _all_reduce(self, values: dict[str, float]) -> dict[str, float]:
-        """``values`` summed (``*_max``: maximised) over the data-parallel ranks."""
-        if self.dims.dp == 1 or not values:
-            return values
-        out = {}
-        for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in values if not self._is_max(k))),
-                         (dist.ReduceOp.MAX, sorted(k for k in values if self._is_max(k)))):
-            if keys:
-                buf = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-                dist.all_reduce(buf, op=op, group=self.dims.dp_group)
-                out.update(zip(keys, buf.tolist()))
-        return out
-
     # ------------------------------------------------------------------ public API
 
     def token_logprobs(self, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -416,11 +377,7 @@ class Trainer:
         finally:
             config.finalize_model_grads_func = finalize
         for res in outputs:
-            for k, v in res.items():
-                if k not in self._sums:
-                    self._sums[k] = v
-                else:
-                    self._sums[k] = max(self._sums[k], v) if self._is_max(k) else self._sums[k] + v
+            step_metrics.merge(self._sums, res)
 
     def finish_step(self, scale: float = 1.0) -> dict[str, float]:
         """Reduce the accumulated gradients (DP all-reduce, tied embeddings), multiply them and the
@@ -439,7 +396,7 @@ class Trainer:
             dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
                                        device=self.dims.device)
             sums = box[0]
-        out = {k: v if self._is_max(k) else v * scale for k, v in self._all_reduce(sums).items()}
+        out = step_metrics.scaled(step_metrics.all_reduce(sums, self.dims), scale)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_ok"] = float(bool(update_ok))
         return out
@@ -450,55 +407,3 @@ class Trainer:
             raise ValueError(f"lr={lr} must be >= 0")
         self.lr = float(lr)
         self._apply_lr_and_wd()
-
-    def mcore_state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the whole model's weights under Megatron names, on CPU, on every rank: with
-        TP/PP the pieces of this rank's model-parallel group are all-gathered and merged
-        (``mcore_sharding.merge``, which also checks that replicated tensors agree bitwise).
-        Materialises the full model on each rank: for export and tests, not for the weight sync."""
-        local = {stage: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
-                 for stage, sd in self.local_pieces().items()}
-        dims = self.dims
-        if dims.tp == 1 and dims.stages == 1 and dims.ep == 1:
-            return local[0]
-        if dims.ep == 1:
-            pieces = [None] * (dims.tp * dims.pp)
-            dist.all_gather_object(pieces, [((dims.tp_rank, stage), sd) for stage, sd in local.items()],
-                                   group=dims.pg_collection.mp)
-            return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages)
-        # With EP the expert pieces sit on other data-parallel ranks: gather from the whole world
-        # and keep one copy of each (tp, pp, ep) piece (DP replicas hold equal ones).
-        pieces = [None] * dims.trainer_world_size
-        dist.all_gather_object(pieces, [((dims.tp_rank, stage, dims.ep_rank), sd) for stage, sd in local.items()],
-                               group=dims.trainer_group)
-        return mcore_sharding.merge(dict(p for rank in pieces for p in rank), self.args, dims.tp, dims.stages,
-                                    ep=dims.ep)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under HF names, in the model dtype, on CPU, on every rank
-        (export, checkpoints and the single-process weight sync)."""
-        return mcore_mapping.mcore_to_hf(self.mcore_state_dict(), self.args)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: Megatron-named model weights, Megatron optimizer state, lr, steps done. Deep
-        copies, so later steps do not alter a checkpoint kept in memory."""
-        return {
-            # one local state dict per model chunk (one without virtual pipeline stages)
-            "model": [{k: v.detach().clone() for k, v in sd.items()} for sd in self.local_pieces().values()],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "steps_done": self.steps_done,
-            "lr": self.lr,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next ``train_step`` continues the saved run bitwise."""
-        models = sd["model"] if isinstance(sd["model"], list) else [sd["model"]]  # a dict: before vpp
-        if len(models) != len(self.models):
-            raise ValueError(f"checkpoint holds {len(models)} model chunks per rank; this trainer has vpp="
-                             f"{self.dims.vpp}: resume with the layout the run was saved with")
-        for m, local in zip(self.models, models):
-            load_state(m.module, local)
-        self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
-        self.lr = float(sd.get("lr", self.cfg.lr))  # the lr in effect when saved
-        self._apply_lr_and_wd()  # weight decay: this run's config
-        self.steps_done = int(sd["steps_done"])

@@ -1,18 +1,16 @@
 """Tail batching (issue 6 item 4): the round plan and queue, short rounds that keep the first
 complete prompts with exactly the samples a full rollout gives them, and the on-policy check."""
 import copy
-import types
 
 import pytest
 import torch
 
 from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig
-from megarl.rl.batching import make_batch
 from megarl.rl.data import epoch_order
+from megarl.rl.grpo import grpo_batch, logprob_diff_max
 from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.sched.tail import Round, TailBatcher, TailConfig
-from megarl.stages.update import logprob_diff_max
 from megarl.stream_train.logprobs import ref_token_logprobs
 from megarl.setup_run import prepare_inputs
 from tests.spec.test_spec_engine import _policy_with_entropy
@@ -104,13 +102,12 @@ def test_logprob_diff_catches_samples_from_other_weights():
     """The on-policy metric: ~0 when the trainer's weights sampled the responses, large when
     they came from older weights (what resuming a deferred prompt's partial samples would do)."""
     stage, model = _stage(4)
-    results = [r for g in stage.run([0, 1, 2, 3], step=0) for r in g.results]
-    batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], stage.inputs.tokenizer.pad_id)
-    trainer = types.SimpleNamespace(dims=types.SimpleNamespace(dp=1, dp_rank=0))
+    groups = stage.run([0, 1, 2, 3], step=0)
+    batch = grpo_batch(groups, len(groups[0].results), stage.inputs.tokenizer.pad_id, True)
 
     def diff_under(policy):
-        batch["old_logprobs"] = ref_token_logprobs(policy.double(), batch["input_ids"]) * batch["loss_mask"]
-        return logprob_diff_max(trainer, batch, results)
+        lp = ref_token_logprobs(policy.double(), batch["input_ids"])
+        return logprob_diff_max(lp, batch["rollout_logprobs"], batch["loss_mask"])
 
     assert diff_under(copy.deepcopy(model)) <= 1e-5  # (ref_token_logprobs takes the softmax in fp32)
     moved = copy.deepcopy(model)
