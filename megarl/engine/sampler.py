@@ -287,11 +287,17 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
     m = s.max(dim=-1, keepdim=True).values
     lo, hi = (torch.tensor(b, dtype=dtype, device=dev) for b in (NOISE_LO, NOISE_HI))
     cand = ((s + hi) >= (m + lo)) | torch.isnan(m)
-    r, c = cand.nonzero(as_tuple=True)
-    g = _gumbel(_finish(_row_state(seed, step, *key)[r], c), dtype)
-    scored = torch.full_like(s, float("-inf"))
-    scored[r, c] = s[r, c] + g
-    picked = torch.argmax(scored, dim=-1)
+    state = _row_state(seed, step, *key)
+    if int(cand.sum()) * 4 > cand.numel():
+        # Flat rows (e.g. random weights): most tokens are candidates, and hashing the dense
+        # [N, V] block is cheaper than gathering and scattering the candidates' indices.
+        vocab = torch.arange(v, dtype=torch.int64, device=dev)
+        picked = torch.argmax(s + _gumbel(_finish(state[:, None], vocab[None, :]), dtype), dim=-1)
+    else:
+        r, c = cand.nonzero(as_tuple=True)
+        scored = torch.full_like(s, float("-inf"))
+        scored[r, c] = s[r, c] + _gumbel(_finish(state[r], c), dtype)
+        picked = torch.argmax(scored, dim=-1)
     if rows is None:
         return picked
     return tokens.index_put((rows,), picked)
