@@ -10,6 +10,7 @@ forward, c: per request, b: per token row) and prints ``a / b``, the value to gi
 ``spec.forward_cost_tokens`` on this device.
 
     .venv/bin/python benchmarks/bench_verify_cost.py --config configs/tiny.yaml [--device cuda]
+    .venv/bin/python benchmarks/bench_verify_cost.py --model ~/.cache/megarl/models/smollm2 --threads 2
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.engine.engine import _Batch, _Seq
+from megarl.models.hf_io import load_hf_model
 from megarl.models.llama import CausalLM
 from megarl.setup_run import prepare_inputs
 
@@ -55,7 +57,10 @@ def time_step(engine: Engine, batch_size: int, k: int, context: int, repeats: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--config", default="configs/tiny.yaml", help="the model of this run config (random weights)")
+    ap.add_argument("--model", metavar="HF_DIR", help="instead of --config: the weights of a HF folder (e.g. SmolLM2 "
+                    "from `megarl fetch smollm2`)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch-sizes", default="1,4,16,64,256")
@@ -64,12 +69,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
-    cfg = load_config(args.config)
-    inputs = prepare_inputs(cfg)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model:
+        model = load_hf_model(args.model)
+    else:
+        torch.manual_seed(0)
+        model = CausalLM(prepare_inputs(load_config(args.config)).args)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
-    torch.manual_seed(0)
-    engine = Engine(CausalLM(inputs.args), EngineConfig(max_batch_size=max(sizes), max_seq_len=args.context + max(ks) + 2,
+    engine = Engine(model, EngineConfig(max_batch_size=max(sizes), max_seq_len=args.context + max(ks) + 2,
                                                         dtype=args.dtype, device=args.device), seed=0)
     rows, points = [], []
     print(f"{'batch':>6} {'decode ms':>10} " + " ".join(f"{'K=' + str(k) + ' ratio':>11}" for k in ks))
@@ -94,7 +103,7 @@ def main() -> None:
           f"{fit['per_token_ms']:.4f} ms per token row -> spec.forward_cost_tokens ~ {fit['forward_cost_tokens']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows,
+            json.dump({"model": args.model or args.config, "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows,
                        "fit": fit}, f, indent=2)
 
 

@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hbm-gbps", type=float, default=3350.0,
                    help="memory bandwidth of the bound, GB/s (default 3350: H100 SXM; only meaningful on a GPU)")
     b.add_argument("--repeats", type=int, default=2, help="timed runs per figure (the fastest counts)")
+    b.add_argument("--model", metavar="HF_DIR", help="real weights from a HF folder (e.g. `megarl fetch smollm2`): "
+                   "greedy engine vs generate on them, fp32 and bf16 (or --dtype), batch 1,8,32,64, prompt 32, "
+                   "48 new tokens by default; --model-size/--kv-cache/--hbm-gbps do not apply")
+    b.add_argument("--lengths", default="both", choices=["tailed", "equal", "both"],
+                   help="with --model: long-tailed response lengths, all equal, or both (default)")
+    b.add_argument("--threads", type=int, default=2, help="with --model: torch threads of both sides (default 2)")
 
     from megarl.bench.gpu import build_parser as add_gpu_args
 
@@ -270,6 +276,10 @@ def _bench_engine(args) -> int:
     """``bench engine`` takes no run config: the model shapes are its flags."""
     from megarl.bench.engine import bench_engine, format_table, shape_from_args
 
+    if args.model:  # real weights: megarl/bench/engine_model.py
+        from megarl.bench.engine_model import run_cli
+
+        return run_cli(args)
     try:
         shape = shape_from_args(args)
     except ValueError as e:

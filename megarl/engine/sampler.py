@@ -129,9 +129,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def noise_hash(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
-               position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The raw 32-bit hash h (as int64 in [0, 2**32)) of every (row, v), shape [N, V]."""
+def _row_state(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
+               position: torch.Tensor) -> torch.Tensor:
+    """The murmur state [N] after the 7 per-row key words (everything but the token id)."""
     seed &= (1 << 64) - 1
     dev = prompt_uid.device
     uid = prompt_uid.to(torch.int64)
@@ -147,11 +147,27 @@ def noise_hash(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch
     h = torch.zeros_like(uid)
     for w in words:  # per-row prefix of the message: O(N) work
         h = _absorb(h, w)
-    # Last word is the token id; only this part is O(N * V).
-    kv = _scramble(torch.arange(vocab_size, dtype=torch.int64, device=dev))
-    h = _rotl32(h[:, None] ^ kv[None, :], 13)
+    return h
+
+
+def _finish(h: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """The last body round (the token id word) and the finalisation; h and token broadcast."""
+    h = _rotl32(h ^ _scramble(token), 13)
     h = (h * 5 + _N) & _M32
     return _fmix32(h ^ 32)
+
+
+def _gumbel(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    u = (h >> 9).to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
+    return (-det_log(-det_log(u))).to(dtype)
+
+
+def noise_hash(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
+               position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The raw 32-bit hash h (as int64 in [0, 2**32)) of every (row, v), shape [N, V]."""
+    h = _row_state(seed, step, prompt_uid, sample_idx, position)
+    # Last word is the token id; only this part is O(N * V).
+    return _finish(h[:, None], torch.arange(vocab_size, dtype=torch.int64, device=h.device)[None, :])
 
 
 def gumbel_noise(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: torch.Tensor,
@@ -160,9 +176,13 @@ def gumbel_noise(seed: int, step: int, prompt_uid: torch.Tensor, sample_idx: tor
 
     ``prompt_uid``, ``sample_idx``, ``position`` are int tensors [N] on the target device.
     See the module docstring for the exact formula."""
-    h = noise_hash(seed, step, prompt_uid, sample_idx, position, vocab_size)
-    u = (h >> 9).to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
-    return (-det_log(-det_log(u))).to(dtype)
+    return _gumbel(noise_hash(seed, step, prompt_uid, sample_idx, position, vocab_size), dtype)
+
+
+# Bounds of every noise value g: u lies in [2**-24, 1 - 2**-24], so the true -log(-log(u)) lies in
+# [-2.8116, 16.6355], and det_log is within 2 ulp of the true log. The bounds below keep a wide
+# margin; tests/engine/test_sampler.py checks all 2**23 possible noise values against them.
+NOISE_LO, NOISE_HI = -2.82, 16.7
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +251,56 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, temperature, top_k=0, top_
     sampled_tok = torch.argmax(filter_logits(logits, temperature, top_k, top_p) + noise, dim=-1)
     tokens = torch.where(t[:, 0] == 0, greedy_tok, sampled_tok)
     return SampleOutput(tokens, *token_stats(logits, temperature, tokens))
+
+
+def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, step: int, prompt_uid: torch.Tensor,
+                 sample_idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Sampled tokens [N], bit for bit ``sample(logits, gumbel_noise(seed, step, prompt_uid,
+    sample_idx, position, V, logits.dtype), temperature, top_k, top_p).tokens``, at a fraction
+    of the cost: greedy rows (T=0) take no noise at all, and the other rows hash only the tokens
+    that can still win the Gumbel argmax (the O(N * V) hash is most of a CPU decode step at a
+    50k-150k vocabulary otherwise). Parameters are scalars or tensors [N]; the key tensors are [N].
+
+    Why pruning is exact. Let ``s`` be a row of ``filter_logits`` (dtype d), ``m = max(s)`` and
+    ``lo, hi`` = NOISE_LO, NOISE_HI rounded to d. Every noise value g satisfies lo <= d(g) <= hi
+    (rounding to d is monotone, so the bounds survive the cast). Rounding of ``a + b`` is
+    monotone in each argument, so for every token v: fl(s_v + g_v) <= fl(s_v + hi), and for the
+    top token t (s_t = m): fl(m + lo) <= fl(s_t + g_t). A token with fl(s_v + hi) < fl(m + lo)
+    therefore scores strictly below token t: it is never the argmax, not even in a tie. All other
+    tokens ("candidates") get their exact noise and score, the rest -inf, and the argmax
+    (lowest id on ties) is the same as over the full row. A row whose max is NaN (NaN logits)
+    keeps every token, so NaN rows pick what the full computation picks too."""
+    n, v = logits.shape
+    dev, dtype = logits.device, logits.dtype
+    t = _as_col(temperature, n, dtype, dev)[:, 0]
+    tokens = torch.argmax(logits, dim=-1)  # greedy rows: the raw argmax, no noise
+    hot = t != 0
+    if not bool(hot.any()):
+        return tokens
+    rows = None if bool(hot.all()) else hot.nonzero()[:, 0]
+    pick = (lambda x, dt: _as_col(x, n, dt, dev)[:, 0]) if rows is None else (
+        lambda x, dt: _as_col(x, n, dt, dev)[rows, 0])
+    key = [x.to(dev, torch.int64) for x in (prompt_uid, sample_idx, position)]
+    if rows is not None:
+        logits, key = logits[rows], [x[rows] for x in key]
+    s = filter_logits(logits, pick(temperature, dtype), pick(top_k, torch.int64), pick(top_p, torch.float64))
+    m = s.max(dim=-1, keepdim=True).values
+    lo, hi = (torch.tensor(b, dtype=dtype, device=dev) for b in (NOISE_LO, NOISE_HI))
+    cand = ((s + hi) >= (m + lo)) | torch.isnan(m)
+    state = _row_state(seed, step, *key)
+    if int(cand.sum()) * 4 > cand.numel():
+        # Flat rows (e.g. random weights): most tokens are candidates, and hashing the dense
+        # [N, V] block is cheaper than gathering and scattering the candidates' indices.
+        vocab = torch.arange(v, dtype=torch.int64, device=dev)
+        picked = torch.argmax(s + _gumbel(_finish(state[:, None], vocab[None, :]), dtype), dim=-1)
+    else:
+        r, c = cand.nonzero(as_tuple=True)
+        scored = torch.full_like(s, float("-inf"))
+        scored[r, c] = s[r, c] + _gumbel(_finish(state[r], c), dtype)
+        picked = torch.argmax(scored, dim=-1)
+    if rows is None:
+        return picked
+    return tokens.index_put((rows,), picked)
 
 
 def token_stats(logits: torch.Tensor, temperature, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

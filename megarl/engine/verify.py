@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engine.sampler import gumbel_noise, sample
+from megarl.engine.sampler import sample_keyed
 from megarl.engine.verify_contract import TRITON_DTYPES, check_inputs, row_request
 
 BACKENDS = ("auto", "torch", "triton")
@@ -36,12 +36,14 @@ def accept_counts(tokens: torch.Tensor, draft_next: torch.Tensor, row_start: tor
 
 def verify_torch(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
                  seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: ``sampler.gumbel_noise`` + ``sampler.sample`` over all rows at once."""
-    n, v = logits.shape
+    """Reference: the tokens of ``sampler.gumbel_noise`` + ``sampler.sample`` over all rows at
+    once, computed by ``sampler.sample_keyed`` (bit for bit the same tokens; the noise of greedy
+    rows and of tokens that cannot win is never computed)."""
+    n = logits.shape[0]
     req, j = row_request(row_start, n)
-    noise = gumbel_noise(seed, step, uid[req], sample_idx[req], position0[req] + j, v, logits.dtype)
     temp = temperature.to(logits.dtype)[req]
-    tokens = sample(logits, noise, temp, top_k[req], top_p.to(torch.float64)[req]).tokens
+    tokens = sample_keyed(logits, temp, top_k[req], top_p.to(torch.float64)[req], seed, step, uid[req],
+                          sample_idx[req], position0[req] + j)
     return tokens, accept_counts(tokens, draft_next, row_start)
 
 

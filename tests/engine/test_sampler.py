@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.engine.detmath import det_exp, det_log
-from megarl.engine.sampler import SamplingParams, filter_logits, gumbel_noise, noise_hash, sample
+from megarl.engine.sampler import NOISE_HI, NOISE_LO, SamplingParams, filter_logits, gumbel_noise, noise_hash, sample
 
 M = 0xFFFFFFFF
 
@@ -81,6 +81,8 @@ def test_det_log_accuracy_on_every_noise_input():
     assert _ulps(det_log(v), torch.log(v.double())).max() <= 2
     g = -det_log(v)
     assert torch.isfinite(g).all() and -2.82 < g.min() < -2.81 and 16.6 < g.max() < 16.7
+    # the bounds sample_keyed prunes with hold for every noise value
+    assert NOISE_LO < g.min() and g.max() < NOISE_HI
     # random positive normal and subnormal floats (all exponents)
     bits = torch.randint(1, 0x7F800000, (1 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     x = bits.view(torch.float32)

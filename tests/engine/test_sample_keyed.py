@@ -1,0 +1,53 @@
+"""``sample_keyed`` (greedy rows without noise, the other rows hashing only the tokens that can
+win) gives exactly the tokens of the full-noise reference ``sample(logits, gumbel_noise(...))``."""
+import pytest
+import torch
+
+from megarl.engine import sampler
+from megarl.engine.sampler import gumbel_noise, sample, sample_keyed
+
+
+def _case(n, v, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale).to(dtype)
+    temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 3.0], dtype=dtype)[torch.randint(0, 6, (n,), generator=g)]
+    top_k = torch.tensor([0, 0, 1, 5, 40])[torch.randint(0, 5, (n,), generator=g)]
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.99], dtype=torch.float64)[torch.randint(0, 5, (n,), generator=g)]
+    key = [torch.randint(0, 1 << 40, (n,), generator=g), torch.randint(0, 8, (n,), generator=g),
+           torch.randint(0, 500, (n,), generator=g)]
+    return logits, temp, top_k, top_p, key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 6.0, 20.0])  # flat (every token a candidate) to peaked (a few)
+def test_keyed_equals_full_noise(dtype, scale):
+    logits, temp, top_k, top_p, key = _case(200, 2000, dtype, scale, seed=int(scale))
+    full = sample(logits, gumbel_noise(5, 9, *key, logits.shape[1], dtype), temp, top_k, top_p).tokens
+    assert torch.equal(sample_keyed(logits, temp, top_k, top_p, 5, 9, *key), full)
+    # the same on the non-greedy rows alone (no greedy row to skip) and with scalar parameters
+    hot = temp != 0
+    sub = [x[hot] for x in key]
+    ref = sample(logits[hot], gumbel_noise(5, 9, *sub, logits.shape[1], dtype), 1.0).tokens
+    assert torch.equal(sample_keyed(logits[hot], 1.0, 0, 1.0, 5, 9, *sub), ref)
+
+
+def test_keyed_ties_and_special_values():
+    """Rows of equal logits (every token ties), NaN and +-inf logits: the same picks as the full row."""
+    v = 64
+    logits = torch.zeros(6, v, dtype=torch.float32)
+    logits[1, 7] = float("nan")
+    logits[2, 9] = logits[2, 30] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :10] = 50.0  # ten tied leaders far above the rest
+    logits[5, 3] = -float("inf")
+    key = [torch.arange(6), torch.zeros(6, dtype=torch.int64), torch.arange(6) * 3]
+    full = sample(logits, gumbel_noise(1, 2, *key, v, torch.float32), 1.0).tokens
+    assert torch.equal(sample_keyed(logits, 1.0, 0, 1.0, 1, 2, *key), full)
+
+
+def test_keyed_bounds_matter(monkeypatch):
+    """A noise range narrower than the real one prunes tokens that do win: the check has teeth."""
+    logits, temp, top_k, top_p, key = _case(200, 2000, torch.float32, 6.0, seed=6)
+    full = sample(logits, gumbel_noise(5, 9, *key, 2000, torch.float32), temp, top_k, top_p).tokens
+    monkeypatch.setattr(sampler, "NOISE_HI", 0.0)
+    assert not torch.equal(sample_keyed(logits, temp, top_k, top_p, 5, 9, *key), full)
