@@ -204,17 +204,22 @@ def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _read_generation_config(folder: Path) -> dict:
-    path = folder / "generation_config.json"
+def _read_json_object(path: Path, fix: str = "") -> dict:
+    """The JSON object in ``path`` ({} if there is no such file); a ValueError naming the file if
+    it is not UTF-8 JSON or not an object."""
     if not path.is_file():
         return {}
     try:
-        gen = json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from None
-    if not isinstance(gen, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(gen).__name__}")
-    return gen
+        raise ValueError(f"{path} is not valid JSON ({e}){fix}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(obj).__name__}")
+    return obj
+
+
+def _read_generation_config(folder: Path) -> dict:
+    return _read_json_object(folder / "generation_config.json", "; fix or delete it")
 
 
 def load_hf_tokenizer(path: Path):
@@ -225,15 +230,7 @@ def load_hf_tokenizer(path: Path):
     special tokens and template: the same ids as 5.x gives."""
     import transformers
 
-    cfg_path = path / "tokenizer_config.json"
-    cfg = {}
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object, got a {type(cfg).__name__}")
+    cfg = _read_json_object(path / "tokenizer_config.json")
     cls = cfg.get("tokenizer_class")
     if cls != "TokenizersBackend" or hasattr(transformers, "TokenizersBackend"):
         try:
