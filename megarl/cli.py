@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import io
 import logging
 import os
 import re
@@ -52,25 +51,9 @@ def _no_space(exc: BaseException | None) -> OSError | None:
 
 
 def _written_path(exc: OSError, run_dir: str | None) -> str:
-    """The file a failed write was writing: the error's own file name, else (``os.write``, a
-    file object's write) the innermost frame's file object open for writing or its ``path``-like
-    local, else the run directory."""
-    if exc.filename is not None:
-        return os.fsdecode(exc.filename)
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        local = frame.f_locals
-        for value in local.values():
-            if isinstance(value, io.IOBase) and any(c in getattr(value, "mode", "") for c in "wax+") \
-                    and isinstance(getattr(value, "name", None), str):
-                return value.name
-        for name in ("path", "tmp", "dst", "target", "final", "filename", "file"):
-            if isinstance(local.get(name), (str, os.PathLike)):
-                return os.fsdecode(local[name])
-    return str(run_dir or os.getcwd())
+    """The file a failed write was writing: the error's own file name (megarl's writers name it:
+    ``utils.fs.naming_path``), else the run directory."""
+    return os.fsdecode(exc.filename) if exc.filename is not None else str(run_dir or os.getcwd())
 
 
 def _no_space_message(exc: OSError, run_dir: str | None) -> str:

@@ -49,11 +49,28 @@ def _variants(cfg: RunConfig) -> dict[str, Speculator]:
     return out
 
 
-def _figures(results, engine: Engine, seconds: float) -> dict:
+TAIL_FRACTION = 0.1
+"""The tail of a rollout: from the moment all but this fraction of its requests have finished."""
+
+
+def _timed_generate(engine: Engine, reqs, step: int):
+    """``engine.generate`` timed: (results, seconds, seconds of its tail, ``TAIL_FRACTION``)."""
+    finished = []
+    t0 = time.perf_counter()
+    res = engine.generate(reqs, step, on_finish=lambda i, r: finished.append(time.perf_counter()))
+    end = time.perf_counter()
+    n_tail = max(1, round(TAIL_FRACTION * len(reqs)))
+    tail_start = sorted(finished)[-n_tail - 1] if len(finished) > n_tail else t0
+    return res, end - t0, end - tail_start
+
+
+def _figures(results, engine: Engine, seconds: float, tail_s: float) -> dict:
     tokens = sum(len(r.tokens) for r in results)
     forwards = sum(r.n_forwards for r in results)
+    longest = max(results, key=lambda r: len(r.tokens))
     m = engine.spec.metrics() if engine.spec is not None else {}
-    return {"time_s": seconds, "tokens": tokens, "target_forwards": forwards,
+    return {"time_s": seconds, "tail_time_s": tail_s, "tokens": tokens, "target_forwards": forwards,
+            "longest_tokens": len(longest.tokens), "longest_forwards": longest.n_forwards,
             "engine_forwards": engine.stats["forwards"], "forward_reduction": 1.0 - forwards / max(tokens, 1),
             "accept_len_mean": m.get("spec/accept_len_mean", 0.0),
             "drafted_forwards": m.get("spec/forwards", 0), "drafted_forward_tokens": m.get("spec/tokens", 0)}
@@ -107,9 +124,8 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
     row = {"step": step}
     engine.spec = None
     engine.reset_stats()
-    t0 = time.perf_counter()
-    ref = engine.generate(reqs, step)
-    row["ar"] = _figures(ref, engine, time.perf_counter() - t0)
+    ref, seconds, tail_s = _timed_generate(engine, reqs, step)
+    row["ar"] = _figures(ref, engine, seconds, tail_s)
     ref_tokens = [r.tokens for r in ref]
     row["entropy_mean"] = float(np.mean([e for r in ref for e in r.entropies]))
     row["has_bubble"] = variants["all"].bubble is not None and variants["all"].bubble.has_drafts(step)
@@ -122,10 +138,11 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
             continue
         engine.spec = spec
         engine.reset_stats()
-        t0 = time.perf_counter()
-        res = engine.generate(reqs, step)
-        row[name] = _figures(res, engine, time.perf_counter() - t0)
+        res, seconds, tail_s = _timed_generate(engine, reqs, step)
+        row[name] = _figures(res, engine, seconds, tail_s)
         row[name]["exact_match"] = [r.tokens for r in res] == ref_tokens
+        # Responses that left the reference's tokens (each counts once, at its first divergence).
+        row[name]["mismatched"] = sum(r.tokens != t for r, t in zip(res, ref_tokens))
         exact &= row[name]["exact_match"]
     row["exact_match"] = exact
     if step + 1 < steps and "bubble_uncoupled" in variants:
@@ -152,6 +169,7 @@ def _pooled(rows: list[dict], name: str) -> dict:
     forwards = sum(r[name]["target_forwards"] for r in rows)
     drafted_fwd = sum(r[name]["drafted_forwards"] for r in rows)
     return {"forward_reduction": 1.0 - forwards / max(tokens, 1),
+            "mismatch_per_10k_tokens": 1e4 * sum(r[name]["mismatched"] for r in rows) / max(tokens, 1),
             "accept_len_mean": sum(r[name]["drafted_forward_tokens"] for r in rows) / max(drafted_fwd, 1),
             "time_s": sum(r[name]["time_s"] for r in rows)}
 
@@ -165,6 +183,11 @@ def _summary(rows: list[dict], cfg: RunConfig) -> dict:
         "exact_match": all(r["exact_match"] for r in rows),
         "forward_reduction": allf["forward_reduction"],
         "speedup": sum(r["ar"]["time_s"] for r in rows) / allf["time_s"],
+        # The tail (after all but TAIL_FRACTION of a step's requests finished): its time, and the
+        # longest request's target forwards (without speculation: one per token).
+        "tail_speedup": sum(r["ar"]["tail_time_s"] for r in rows) / max(sum(r["all"]["tail_time_s"] for r in rows), 1e-9),
+        "longest_forward_reduction": 1.0 - (sum(r["all"]["longest_forwards"] for r in rows)
+                                            / max(sum(r["ar"]["longest_forwards"] for r in rows), 1)),
         "speedup_first_bubble_step": (bubble_rows[0]["ar"]["time_s"] / bubble_rows[0]["all"]["time_s"]
                                       if bubble_rows else None),
         "accept_len_mean": allf["accept_len_mean"],
@@ -177,6 +200,9 @@ def _summary(rows: list[dict], cfg: RunConfig) -> dict:
                       for n in names if n not in ("all", "bubble_uncoupled")},
         # The same probe steps' bubble drafts, made with this step's noise vs with unrelated noise.
         "bubble_uncoupled": _pooled(bubble_rows, "bubble_uncoupled"),
+        # Speculated responses that differ from the plain ones, per 10k generated tokens (0 is the
+        # contract; in bf16 it measures how batch-shape-invariant the logits are, issue 23 item 4).
+        "mismatch_per_10k_tokens": {n: _pooled(rows, n)["mismatch_per_10k_tokens"] for n in names},
         "bubble_coupled": _pooled(bubble_rows, "bubble"),
         "ar_time_s": sum(r["ar"]["time_s"] for r in rows),
         "spec_time_s": allf["time_s"],

@@ -102,7 +102,8 @@ class Engine:
             torch.set_flush_denormal(True)
         # Sampling math runs in at least fp32: bf16 logits + noise would tie constantly.
         self.sample_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()  # in place
+        # In place; q/k/v and gate/up then run as one matmul each (llama.fuse_linears).
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().fuse_projections()
         a = model.args
         self.vocab_size = a.vocab_size
         tp = isinstance(model, TPCausalLM)

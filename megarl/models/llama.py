@@ -78,6 +78,36 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for linears that read the same input, their rows stacked, with each
+    linear's ``weight``/``bias`` re-pointed to a view of it: one matmul instead of several (fewer
+    dispatches per layer, a wider and better-used GEMM), while the parameters keep their HF names
+    and ``copy_`` into them (``load_weights``, the weight sync) writes the fused tensor. Each
+    output column is the same dot product over the same inputs, and on the CPU kernels used here
+    the stacked matmul gives the separate ones' values bit for bit (tests/engine/test_fused.py);
+    the exactness contract does not depend on it (plain and speculative decoding both use it).
+    A later ``module.to()`` that converts the parameters replaces the views: fuse again after it."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if any(b is not None for b in biases) and bias is None:
+        raise ValueError("fuse_linears: every linear needs a bias, or none")
+    off = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[off:off + n]
+        if bias is not None:
+            m.bias.data = bias[off:off + n]
+        off += n
+    return weight, bias
+
+
+def _fused_is_current(fused, first: nn.Linear) -> bool:
+    """Whether ``fused`` (from ``fuse_linears``) still backs ``first``'s weight."""
+    return fused is not None and first.weight.data_ptr() == fused[0].data_ptr() \
+        and first.weight.dtype == fused[0].dtype and first.weight.device == fused[0].device
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -94,12 +124,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=args.o_bias)
+        self._qkv = None  # (weight, bias) of fuse(), when fused
+
+    def fuse(self) -> None:
+        """Run q/k/v as one matmul from now on (``fuse_linears``)."""
+        if not _fused_is_current(self._qkv, self.q_proj):
+            self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of ``x`` [B, T, H] (one matmul once fused), heads unflattened."""
+        b, t, _ = x.shape
+        if _fused_is_current(self._qkv, self.q_proj):
+            q, k, v = F.linear(x, *self._qkv).split(
+                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(b, t, self.n_heads, self.head_dim), k.view(b, t, self.n_kv, self.head_dim),
+                v.view(b, t, self.n_kv, self.head_dim))
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(b, t, self.n_kv, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
@@ -116,9 +162,8 @@ class QKNormAttention(Attention):
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         b, t, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        q, k, v = self.project(x)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
@@ -130,8 +175,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, ff, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, ff, bias=False)
         self.down_proj = nn.Linear(ff, args.hidden_size, bias=False)
+        self._gate_up = None  # (weight, None) of fuse(), when fused
+
+    def fuse(self) -> None:
+        """Run gate and up as one matmul from now on (``fuse_linears``)."""
+        if not _fused_is_current(self._gate_up, self.gate_proj):
+            self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x):
+        if _fused_is_current(self._gate_up, self.gate_proj):
+            gate, up = F.linear(x, self._gate_up[0]).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -268,6 +322,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions=None, attn=None):
         return self.logits(self.hidden_states(input_ids, positions, attn))
+
+    def fuse_projections(self) -> "CausalLM":
+        """Fuse every layer's q/k/v and gate/up linears (``fuse_linears``; the engine does this
+        after moving the model to its device and dtype). Returns self."""
+        for m in self.modules():
+            if isinstance(m, (Attention, MLP)):
+                m.fuse()
+        return self
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under their HF names (tied ``lm_head.weight`` omitted, as HF saves it)."""

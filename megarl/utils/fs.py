@@ -45,13 +45,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes it 0600; give it a normal file's mode
-        with os.fdopen(fd, "wb") as f:
+        with naming_path(path), os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def naming_path(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` of writing ``path`` that names no file (``os.write`` on a
+    descriptor, a file object's ``write``/``flush``) as the same error naming ``path``: the CLI's
+    one-line message then says which file a full disk stopped."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megarl.utils.fs import atomic_write_text
+from megarl.utils.fs import atomic_write_text, naming_path
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ def append_line(path: str | os.PathLike, obj: Any) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         view = memoryview(data)
-        while view:  # a regular file writes it all at once; a short write (disk full) continues
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
+        with naming_path(path):
+            while view:  # a regular file writes it all at once; a short write (disk full) continues
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
     finally:
         os.close(fd)
 

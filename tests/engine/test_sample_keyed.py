@@ -51,3 +51,26 @@ def test_keyed_bounds_matter(monkeypatch):
     full = sample(logits, gumbel_noise(5, 9, *key, 2000, torch.float32), temp, top_k, top_p).tokens
     monkeypatch.setattr(sampler, "NOISE_HI", 0.0)
     assert not torch.equal(sample_keyed(logits, temp, top_k, top_p, 5, 9, *key), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_winner_with_the_largest_noise_far_below_the_probed_tokens(dtype):
+    """The candidate bound at its tightest: the winner is a token ~15 nats below the ``PROBE``
+    highest logits, carried by the largest noise value among 4M keys (g* ~ 15, near NOISE_HI),
+    and the probed tokens' best score sits just below its score. A bound tighter than the noise
+    range (e.g. NOISE_HI - 1) drops the winner and picks a probed token."""
+    v, positions = 1 << 16, 64
+    key = [torch.zeros(positions, dtype=torch.int64), torch.zeros(positions, dtype=torch.int64),
+           torch.arange(positions)]
+    noise = gumbel_noise(3, 4, *key, v, dtype)
+    row = int(noise.max(dim=1).values.argmax())
+    winner, g_star = int(noise[row].argmax()), float(noise[row].max())
+    assert g_star > sampler.NOISE_HI - 2.0  # the search found a value that tests the bound
+    probed = torch.tensor([t for t in range(sampler.PROBE + 1) if t != winner][:sampler.PROBE])
+    logits = torch.full((1, v), float("-inf"), dtype=dtype)
+    logits[0, winner] = 0.0
+    logits[0, probed] = g_star - float(noise[row, probed].max()) - 0.01  # best probed score: g* - 0.01
+    one = [x[row:row + 1] for x in key]
+    full = sample(logits, gumbel_noise(3, 4, *one, v, dtype), 1.0).tokens
+    assert full.tolist() == [winner]
+    assert sample_keyed(logits, 1.0, 0, 1.0, 3, 4, *one).tolist() == [winner]
