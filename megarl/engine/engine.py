@@ -42,6 +42,7 @@ from megarl.engine.speculation import DraftTarget, Speculation
 from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models.llama import CausalLM
 from megarl.engine.verify import verify
+from megarl.utils.cpu_alloc import keep_freed_memory
 
 # Uncoupled control drafts (``Engine.pregenerate(coupled=False)``) use the noise of a step key
 # that no real step reaches.
@@ -100,6 +101,7 @@ class Engine:
             # slow path: measured 17 s vs 0.4 s for one rollout of the tiny model after an RL step.
             # Flushing them to zero (what GPUs do) is process-wide, and harmless for training too.
             torch.set_flush_denormal(True)
+            keep_freed_memory()  # large [rows, vocab] temporaries reuse the heap (megarl/utils/cpu_alloc.py)
         # Sampling math runs in at least fp32: bf16 logits + noise would tie constantly.
         self.sample_dtype = torch.promote_types(self.dtype, torch.float32)
         # In place; q/k/v and gate/up then run as one matmul each (llama.fuse_linears).
