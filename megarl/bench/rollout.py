@@ -143,6 +143,8 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
         row[name]["exact_match"] = [r.tokens for r in res] == ref_tokens
         # Responses that left the reference's tokens (each counts once, at its first divergence).
         row[name]["mismatched"] = sum(r.tokens != t for r, t in zip(res, ref_tokens))
+        row[name]["mismatches"] = [_divergence(i, r.tokens, t) for i, (r, t) in enumerate(zip(res, ref_tokens))
+                                   if r.tokens != t]
         exact &= row[name]["exact_match"]
     row["exact_match"] = exact
     if step + 1 < steps and "bubble_uncoupled" in variants:
@@ -158,6 +160,13 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
     engine.spec = None
     row["_groups"] = stage.groups(uids, ref)
     return row
+
+
+def _divergence(index: int, got: list[int], want: list[int]) -> dict:
+    """Where response ``index`` first differs from the reference, and the two tokens there."""
+    pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = lambda toks: toks[pos] if pos < len(toks) else None  # noqa: E731 - None: the response ended
+    return {"request": index, "position": pos, "reference_token": at(want), "token": at(got)}
 
 
 def _pooled(rows: list[dict], name: str) -> dict:
@@ -183,9 +192,12 @@ def _summary(rows: list[dict], cfg: RunConfig) -> dict:
         "exact_match": all(r["exact_match"] for r in rows),
         "forward_reduction": allf["forward_reduction"],
         "speedup": sum(r["ar"]["time_s"] for r in rows) / allf["time_s"],
-        # The tail (after all but TAIL_FRACTION of a step's requests finished): its time, and the
-        # longest request's target forwards (without speculation: one per token).
-        "tail_speedup": sum(r["ar"]["tail_time_s"] for r in rows) / max(sum(r["all"]["tail_time_s"] for r in rows), 1e-9),
+        # The tail: the engine's batched forwards (a step's critical path: as many as its slowest
+        # request needs), and the longest request's target forwards (without speculation: one per
+        # token). Each step's tail time (after all but TAIL_FRACTION of its requests finished) is in
+        # its row: it is 0 without speculation when more than that fraction run to max_new_tokens.
+        "batched_forward_reduction": 1.0 - (sum(r["all"]["engine_forwards"] for r in rows)
+                                            / max(sum(r["ar"]["engine_forwards"] for r in rows), 1)),
         "longest_forward_reduction": 1.0 - (sum(r["all"]["longest_forwards"] for r in rows)
                                             / max(sum(r["ar"]["longest_forwards"] for r in rows), 1)),
         "speedup_first_bubble_step": (bubble_rows[0]["ar"]["time_s"] / bubble_rows[0]["all"]["time_s"]

@@ -1,0 +1,94 @@
+"""Token identity of speculative vs plain decoding in bf16 on the real model (issue 23 item 4):
+mismatched responses per 10k tokens, with and without ``rollout.batch_invariant_attention``, and
+what the invariant attention costs in decode time.
+
+For each of ``--steps`` batches of a config's prompts (its chat template, task, group size,
+temperature), one process, the config's engine in bf16:
+- ``plain``: the batch generated without speculation (the reference);
+- ``spec``: the same batch with every draft source of the config. Bubble drafts come from the
+  same weights with 1% relative noise added (what an RL update does to the next step's drafts:
+  they are mostly right, then diverge), so verify rows of every draft length appear.
+Both are run with ``batch_invariant_attention`` off and on, alternated batch by batch. A
+``spec`` response that differs from ``plain`` is a mismatch (each response counts once).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_bf16_identity.py --config configs/smollm2.yaml --steps 20
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from megarl.config import load_config
+from megarl.engine import Engine
+from megarl.models.hf_io import load_hf_model
+from megarl.sched.prompts import prompt_uids_for_step
+from megarl.setup_run import prepare_inputs
+from megarl.spec.speculator import Speculator
+from megarl.stages.rollout import RolloutStage
+
+
+def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * v.abs() * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/smollm2.yaml")
+    ap.add_argument("--steps", type=int, default=20, help="batches of prompts (prompts_per_step x group_size each)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--noise", type=float, default=0.01, help="relative weight noise of the bubble drafts' model")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, ["rollout.dtype=bfloat16"])
+    inputs = prepare_inputs(cfg)
+    model = load_hf_model(inputs.init_from_hf, torch.bfloat16)
+    exact = {k: v.clone() for k, v in model.state_dict().items()}
+    engines = {}
+    for inv in (False, True):
+        rc = dataclasses.replace(cfg.rollout, batch_invariant_attention=inv)
+        spec = Speculator(dataclasses.replace(cfg.spec, enabled=True))
+        engines[inv] = (Engine(model, rc.engine_config(inputs.max_seq_len), seed=cfg.seed, spec=spec), spec)
+    stage = RolloutStage(engines[False][0], inputs, cfg.rollout, cfg.reward)
+    figures = {inv: {"tokens": 0, "mismatched": 0, "responses": 0, "plain_s": 0.0, "spec_s": 0.0} for inv in engines}
+    for step in range(args.steps):
+        reqs = stage.requests(prompt_uids_for_step(step, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems)))
+        for inv, (engine, spec) in engines.items():
+            f = figures[inv]
+            engine.load_weights(_perturbed(exact, args.noise, step))
+            engine.pregenerate(reqs, step)  # the drafts of a slightly different policy
+            engine.load_weights(exact)
+            engine.spec = None
+            t0 = time.perf_counter()
+            ref = engine.generate(reqs, step)
+            f["plain_s"] += time.perf_counter() - t0
+            engine.spec = spec
+            t0 = time.perf_counter()
+            out = engine.generate(reqs, step)
+            f["spec_s"] += time.perf_counter() - t0
+            f["tokens"] += sum(len(r.tokens) for r in ref)
+            f["responses"] += len(ref)
+            f["mismatched"] += sum(a.tokens != b.tokens for a, b in zip(out, ref))
+        print(f"step {step}: " + "; ".join(
+            f"invariant={inv}: {f['mismatched']} mismatched of {f['responses']} responses, {f['tokens']} tokens"
+            for inv, f in figures.items()), flush=True)
+    report = {"config": args.config, "steps": args.steps, "threads": args.threads, "noise": args.noise,
+              "by_setting": {("invariant" if inv else "default"): {
+                  **f, "mismatch_per_10k_tokens": 1e4 * f["mismatched"] / max(f["tokens"], 1)}
+                  for inv, f in figures.items()}}
+    d, i = report["by_setting"]["default"], report["by_setting"]["invariant"]
+    report["invariant_plain_time_ratio"] = i["plain_s"] / d["plain_s"]
+    print(json.dumps(report, indent=2))
+    if args.json:
+        from megarl.utils.fs import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
