@@ -1,6 +1,5 @@
 """Token identity of speculative vs plain decoding in bf16 on the real model (issue 23 item 4):
-mismatched responses per 10k tokens, with and without ``rollout.batch_invariant_attention``, and
-what the invariant attention costs in decode time.
+mismatched responses per 10k tokens, and where each one diverges.
 
 For each of ``--steps`` batches of a config's prompts (its chat template, task, group size,
 temperature), one process, the config's engine in bf16:
@@ -8,8 +7,8 @@ temperature), one process, the config's engine in bf16:
 - ``spec``: the same batch with every draft source of the config. Bubble drafts come from the
   same weights with 1% relative noise added (what an RL update does to the next step's drafts:
   they are mostly right, then diverge), so verify rows of every draft length appear.
-Both are run with ``batch_invariant_attention`` off and on, alternated batch by batch. A
-``spec`` response that differs from ``plain`` is a mismatch (each response counts once).
+A ``spec`` response that differs from ``plain`` is a mismatch (each response counts once; its
+step, request, first differing position and the two tokens there are listed).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_bf16_identity.py --config configs/smollm2.yaml --steps 20
 """
@@ -23,6 +22,7 @@ import time
 import torch
 
 from megarl.config import load_config
+from megarl.bench.rollout import first_divergence
 from megarl.engine import Engine
 from megarl.models.hf_io import load_hf_model
 from megarl.sched.prompts import prompt_uids_for_step
@@ -49,40 +49,33 @@ def main() -> None:
     inputs = prepare_inputs(cfg)
     model = load_hf_model(inputs.init_from_hf, torch.bfloat16)
     exact = {k: v.clone() for k, v in model.state_dict().items()}
-    engines = {}
-    for inv in (False, True):
-        rc = dataclasses.replace(cfg.rollout, batch_invariant_attention=inv)
-        spec = Speculator(dataclasses.replace(cfg.spec, enabled=True))
-        engines[inv] = (Engine(model, rc.engine_config(inputs.max_seq_len), seed=cfg.seed, spec=spec), spec)
-    stage = RolloutStage(engines[False][0], inputs, cfg.rollout, cfg.reward)
-    figures = {inv: {"tokens": 0, "mismatched": 0, "responses": 0, "plain_s": 0.0, "spec_s": 0.0} for inv in engines}
+    spec = Speculator(dataclasses.replace(cfg.spec, enabled=True))
+    engine = Engine(model, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed, spec=spec)
+    stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
+    f = {"tokens": 0, "mismatched": 0, "responses": 0, "plain_s": 0.0, "spec_s": 0.0, "mismatches": []}
     for step in range(args.steps):
         reqs = stage.requests(prompt_uids_for_step(step, cfg.rollout.prompts_per_step, cfg.seed, len(inputs.problems)))
-        for inv, (engine, spec) in engines.items():
-            f = figures[inv]
-            engine.load_weights(_perturbed(exact, args.noise, step))
-            engine.pregenerate(reqs, step)  # the drafts of a slightly different policy
-            engine.load_weights(exact)
-            engine.spec = None
-            t0 = time.perf_counter()
-            ref = engine.generate(reqs, step)
-            f["plain_s"] += time.perf_counter() - t0
-            engine.spec = spec
-            t0 = time.perf_counter()
-            out = engine.generate(reqs, step)
-            f["spec_s"] += time.perf_counter() - t0
-            f["tokens"] += sum(len(r.tokens) for r in ref)
-            f["responses"] += len(ref)
-            f["mismatched"] += sum(a.tokens != b.tokens for a, b in zip(out, ref))
-        print(f"step {step}: " + "; ".join(
-            f"invariant={inv}: {f['mismatched']} mismatched of {f['responses']} responses, {f['tokens']} tokens"
-            for inv, f in figures.items()), flush=True)
-    report = {"config": args.config, "steps": args.steps, "threads": args.threads, "noise": args.noise,
-              "by_setting": {("invariant" if inv else "default"): {
-                  **f, "mismatch_per_10k_tokens": 1e4 * f["mismatched"] / max(f["tokens"], 1)}
-                  for inv, f in figures.items()}}
-    d, i = report["by_setting"]["default"], report["by_setting"]["invariant"]
-    report["invariant_plain_time_ratio"] = i["plain_s"] / d["plain_s"]
+        engine.load_weights(_perturbed(exact, args.noise, step))
+        engine.pregenerate(reqs, step)  # the drafts of a slightly different policy
+        engine.load_weights(exact)
+        engine.spec = None
+        t0 = time.perf_counter()
+        ref = engine.generate(reqs, step)
+        f["plain_s"] += time.perf_counter() - t0
+        engine.spec = spec
+        t0 = time.perf_counter()
+        out = engine.generate(reqs, step)
+        f["spec_s"] += time.perf_counter() - t0
+        f["tokens"] += sum(len(r.tokens) for r in ref)
+        f["responses"] += len(ref)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            if a.tokens != b.tokens:
+                f["mismatched"] += 1
+                f["mismatches"].append({"step": step, **first_divergence(i, a.tokens, b.tokens)})
+        print(f"step {step}: {f['mismatched']} mismatched of {f['responses']} responses, {f['tokens']} tokens",
+              flush=True)
+    report = {"config": args.config, "steps": args.steps, "threads": args.threads, "noise": args.noise, **f,
+              "mismatch_per_10k_tokens": 1e4 * f["mismatched"] / max(f["tokens"], 1)}
     print(json.dumps(report, indent=2))
     if args.json:
         from megarl.utils.fs import atomic_write_text

@@ -143,7 +143,7 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
         row[name]["exact_match"] = [r.tokens for r in res] == ref_tokens
         # Responses that left the reference's tokens (each counts once, at its first divergence).
         row[name]["mismatched"] = sum(r.tokens != t for r, t in zip(res, ref_tokens))
-        row[name]["mismatches"] = [_divergence(i, r.tokens, t) for i, (r, t) in enumerate(zip(res, ref_tokens))
+        row[name]["mismatches"] = [first_divergence(i, r.tokens, t) for i, (r, t) in enumerate(zip(res, ref_tokens))
                                    if r.tokens != t]
         exact &= row[name]["exact_match"]
     row["exact_match"] = exact
@@ -162,7 +162,7 @@ def _bench_step(step, steps, cfg, inputs, engine, stage, variants, probes) -> di
     return row
 
 
-def _divergence(index: int, got: list[int], want: list[int]) -> dict:
+def first_divergence(index: int, got: list[int], want: list[int]) -> dict:
     """Where response ``index`` first differs from the reference, and the two tokens there."""
     pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     at = lambda toks: toks[pos] if pos < len(toks) else None  # noqa: E731 - None: the response ended

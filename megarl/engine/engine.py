@@ -116,7 +116,7 @@ class Engine:
                                       self.dtype, self.device, cfg.kv_block_size, cfg.num_kv_blocks)
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
-                                 n_kv, a.head_dim, self.dtype, self.device, cfg.batch_invariant_attention)
+                                 n_kv, a.head_dim, self.dtype, self.device)
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False

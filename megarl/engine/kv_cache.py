@@ -112,9 +112,8 @@ class KVCache:
     needs_compaction = True  # rows in consecutive slots are read in place (Engine._compact)
 
     def __init__(self, n_layers: int, max_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, all_keys: bool = False):
+                 dtype: torch.dtype, device: torch.device | str):
         self.table = SlotTable(max_slots, max_seq_len)
-        self.all_keys = all_keys  # attend over every position (EngineConfig.batch_invariant_attention)
         shape = (n_layers, max_slots, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -171,9 +170,7 @@ class CacheAttention:
         dev = cache.device
         b, t = len(slots), max(n_new)
         self.cache = cache
-        # Keys to read: the batch's longest row (<= max_seq_len), or all max_seq_len positions
-        # (batch-invariant reductions; the positions past a row's own are masked either way).
-        self.n_keys = cache.table.max_seq_len if cache.all_keys else max(s + n for s, n in zip(starts, n_new))
+        self.n_keys = max(s + n for s, n in zip(starts, n_new))  # keys to read (<= max_seq_len)
         self.slot_idx = torch.tensor(slots, dtype=torch.int64, device=dev)
         pos = _positions(starts, t, dev)
         valid = torch.arange(t, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]

@@ -34,19 +34,8 @@ class EngineConfig:
     """Blocks in the paged cache's pool; 0 = enough for max_batch_size requests of max_seq_len
     positions (the slot cache's memory). Fewer blocks admit fewer requests at once: a request is
     admitted only once the pool can hold its longest possible length."""
-    batch_invariant_attention: bool = False
-    """Attention reads all ``max_seq_len`` cached positions of a row in every forward (masked past
-    the row's own), instead of the batch's longest: a row's softmax and probs-times-values then
-    reduce over the same length whatever else is in the batch and however many draft tokens it
-    carries. Off, those lengths change the float summation order slightly; fp32 absorbs it (no
-    mismatch measured), bf16 logits round it into a different token about once per 10k tokens
-    (docs/benchmarks.md, issue 23 item 4). Cost: attention over max_seq_len keys per row. Slot
-    cache only."""
 
     def __post_init__(self) -> None:
-        if self.batch_invariant_attention and self.kv_cache != "slots":
-            raise ValueError("batch_invariant_attention=True needs kv_cache='slots' (the paged cache gathers "
-                             "each row's own blocks)")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} is invalid; valid range: >= 1")
         if self.max_seq_len < 2:

@@ -49,10 +49,6 @@ class RolloutConfig:
     """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
     fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
     prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
-    batch_invariant_attention: bool = False
-    """Attention over all cached positions in every forward (``EngineConfig.batch_invariant_attention``):
-    speculative and plain decoding then reduce every row in the same order, which bf16 needs for
-    token-for-token identity; costs attention over the full sequence length."""
     placement: Literal["round_robin", "length"] = "round_robin"
     """How a step's prompts are spread over the rollout replicas (multi-process runs):
     ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
@@ -87,8 +83,7 @@ class RolloutConfig:
         from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
 
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
-                            device=self.device, kv_cache=self.kv_cache,
-                            batch_invariant_attention=self.batch_invariant_attention)
+                            device=self.device, kv_cache=self.kv_cache)
 
 @dataclass
 class Group:

@@ -163,23 +163,3 @@ def test_low_precision_dtypes_run(dtype):
     res = eng.generate(reqs, step=0)
     assert all(len(r.tokens) == 5 and all(0 <= t < 40 for t in r.tokens) for r in res)
     assert all(torch.isfinite(torch.tensor(r.logprobs + r.entropies)).all() for r in res)
-
-
-def test_batch_invariant_attention_reads_every_position_and_samples_the_same():
-    """``batch_invariant_attention``: every forward's attention reads all max_seq_len positions
-    (the rows' reductions then have one length in every batch), and what is sampled is unchanged
-    (fp64: the masked positions add exact zeros). Paged caches refuse it."""
-    reqs = mixed_requests()
-    plain = engine(max_batch_size=4).generate(reqs, step=5)
-    cfg = EngineConfig(max_batch_size=4, max_seq_len=64, dtype="float64", batch_invariant_attention=True)
-    eng = Engine(tiny_model(0), cfg, seed=1234)
-    seen = []
-    batch = eng.cache.batch
-    eng.cache.batch = lambda slots, n_new: (lambda out: (seen.append(out[0].n_keys), out)[1])(batch(slots, n_new))
-    invariant = eng.generate(reqs, step=5)
-    assert seen and set(seen) == {64}
-    assert [key(r) for r in invariant] == [key(r) for r in plain]
-    for a, b in zip(invariant, plain):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12)
-    with pytest.raises(ValueError, match="batch_invariant_attention"):
-        EngineConfig(kv_cache="paged", batch_invariant_attention=True)
