@@ -337,7 +337,7 @@ class WeightSync:
                 continue
             per = buf.numel() // b.chunk  # chunks each rank contributes
             out = torch.empty(buf.numel() * size, dtype=torch.uint8, device=d.device)
-            dist.all_gather_into_tensor(out, buf, group=group)
+            dist.all_gather_single(out, buf, group=group)
             buf = out
             rec.alloc(buf.numel())
             rec.wire += buf.numel() - buf.numel() // size
@@ -428,7 +428,7 @@ class WeightSync:
         words = [int.from_bytes(bytes.fromhex(digest)[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
         mine = torch.tensor([len(errors), *words], dtype=torch.int64, device=d.device)
         every = torch.empty(d.world_size * mine.numel(), dtype=torch.int64, device=d.device)
-        dist.all_gather_into_tensor(every, mine)
+        dist.all_gather_single(every, mine)
         every = every.view(d.world_size, -1).cpu()
         if int(every[:, 0].sum()):
             lists: list = [None] * d.world_size
