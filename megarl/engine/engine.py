@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megarl.engine.kv_cache import KVCache
+from megarl.engine.kv_cache import CacheAttention, KVCache
 from megarl.engine.paged_kv_cache import PagedKVCache
 from megarl.engine.requests import EngineConfig, Request, Result
 from megarl.engine.sampler import SamplingParams, token_stats
@@ -117,6 +117,10 @@ class Engine:
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                                  n_kv, a.head_dim, self.dtype, self.device)
+        # bf16 on CPU: a forward of one token row runs every linear with the twin row of
+        # ``_forward`` (see there); other dtypes / devices, and the paged cache, run it as it is.
+        self.pad_single_row = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                               and isinstance(self.cache, KVCache))
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False
@@ -259,9 +263,7 @@ class Engine:
         fills = [(p[:-1], seqs) for p, seqs in by_prompt.items() if len(p) > 1]
         if not fills:
             return
-        attn, positions = self.cache.batch([seqs[0].slot for _, seqs in fills], [len(p) for p, _ in fills])
-        ids = torch.tensor([[t for p, _ in fills for t in p]], dtype=torch.int64).to(self.device)
-        hidden = self.model.hidden_states(ids, positions, attn)  # its k/v writes are what is needed
+        hidden = self._forward([seqs[0].slot for _, seqs in fills], [list(p) for p, _ in fills])[None]
         if self._hidden_hook:  # ... and, for a learned drafter, the prompts' hidden states
             self.spec.on_prefill([[s.req for s in seqs] for _, seqs in fills], hidden[0])
         self.stats["forwards"] += 1
@@ -286,10 +288,8 @@ class Engine:
         position, compared with the drafts (megarl.engine.verify)."""
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         n_new = [len(x) for x in inputs]
-        attn, positions = self.cache.batch([s.slot for s in batch.seqs], n_new)
         dev = self.device
-        ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.int64).to(dev)
-        hidden = self.model.hidden_states(ids, positions, attn)[0]  # [N, H], packed
+        hidden = self._forward([s.slot for s in batch.seqs], inputs)  # [N, H], packed
         # Verified rows: the last pending token and each draft token, in order, request by request.
         keep, draft_next, n_rows, off = [], [], [], 0
         for n, d in zip(n_new, batch.drafts):
@@ -298,7 +298,10 @@ class Engine:
             n_rows.append(len(d) + 1)
             off += n
         h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
-        logits = self.model.logits(h).to(self.sample_dtype)
+        if self.pad_single_row and h.shape[0] == 1:  # the LM head with its twin row too (see _forward)
+            logits = self.model.logits(h.expand(2, -1))[:1].to(self.sample_dtype)
+        else:
+            logits = self.model.logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
         row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
         per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
@@ -320,6 +323,32 @@ class Engine:
             out.logprobs.append(logprobs[lo:hi])
             out.entropies.append(entropies[lo:hi])
         return out
+
+    def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
+        """One forward through the cache over ``inputs[i]`` appended to slot ``slots[i]``, packed
+        without padding; returns the final hidden states [N, H].
+
+        With ``pad_single_row`` a forward of a single token (one request decoding alone, the very
+        end of a rollout's tail) carries a twin: the same token at the same slot and position, so
+        every linear multiplies 2 rows instead of 1. Why: on this CPU a bf16 linear of 1 row runs
+        another kernel (oneDNN's GEMV) than 2 or more rows, whose per-row results are identical
+        for every row count (measured, SmolLM2's shapes, 2-700 rows); the GEMV's differ in the
+        last bit for some inputs (2 of SmolLM2's 30 down_proj weights on random inputs), enough
+        to change a bf16 logit. A request decoding alone then got other logits than the same
+        position inside a batch or a verify row: the only speculative-vs-plain mismatch found in
+        bf16 (benchmarks/bench_bf16_identity.py). The twin computes exactly the same k/v (same
+        input, same row computation) into the same cache position, and its outputs are dropped.
+        Cost: a 2-row bf16 GEMM instead of a GEMV, ~1-3% of those steps only."""
+        n_new = [len(x) for x in inputs]
+        ids = [t for x in inputs for t in x]
+        if self.pad_single_row and len(ids) == 1:
+            starts = self.cache.table.reserve(slots, n_new)
+            attn = CacheAttention(self.cache, slots * 2, starts * 2, n_new * 2)
+            ids_t = torch.tensor([ids * 2], dtype=torch.int64).to(self.device)
+            return self.model.hidden_states(ids_t, attn.positions, attn)[0, :1]
+        attn, positions = self.cache.batch(slots, n_new)
+        ids_t = torch.tensor([ids], dtype=torch.int64).to(self.device)
+        return self.model.hidden_states(ids_t, positions, attn)[0]
 
     def postprocess(self, batch: _Batch, out: _Verified, running: list[_Seq]) -> int:
         """Host only: append each row's verified tokens up to a stop condition, roll the cache

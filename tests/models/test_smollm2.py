@@ -238,3 +238,22 @@ def test_grpo_on_smollm2_resumes_exactly_at_temperature(smollm2_dir, tmp_path):
     assert [deterministic_part(m) for m in read_metrics(resumed)] == [deterministic_part(m) for m in metrics]
     a, b = load_file(run / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_one_row_linears_differ_which_is_why_the_engine_pads_single_rows(smollm2_dir):
+    """The hazard behind ``Engine.pad_single_row``: on this CPU a bf16 linear of one row (oneDNN's
+    GEMV) does not always give the bits of the same row inside 2+ rows (a GEMM, whose rows agree
+    for every row count). If this test ever fails (a torch/oneDNN whose GEMV matches), the
+    padding can go."""
+    import torch.nn.functional as F
+
+    model = load_hf_model(smollm2_dir, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    one_vs_two, two_vs_many = 0, 0
+    for name, w in model.named_parameters():
+        if w.dim() != 2 or "embed" in name:
+            continue
+        x = torch.randn(9, w.shape[1], generator=g).to(torch.bfloat16)
+        one_vs_two += not torch.equal(F.linear(x[:1], w)[0], F.linear(x[:2], w)[0])
+        two_vs_many += not torch.equal(F.linear(x[:2], w)[0], F.linear(x, w)[0])
+    assert one_vs_two > 0 and two_vs_many == 0, (one_vs_two, two_vs_many)
