@@ -326,19 +326,12 @@ class Engine:
 
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
         """One forward through the cache over ``inputs[i]`` appended to slot ``slots[i]``, packed
-        without padding; returns the final hidden states [N, H].
-
-        With ``pad_single_row`` a forward of a single token (one request decoding alone, the very
-        end of a rollout's tail) carries a twin: the same token at the same slot and position, so
-        every linear multiplies 2 rows instead of 1. Why: on this CPU a bf16 linear of 1 row runs
-        another kernel (oneDNN's GEMV) than 2 or more rows, whose per-row results are identical
-        for every row count (measured, SmolLM2's shapes, 2-700 rows); the GEMV's differ in the
-        last bit for some inputs (2 of SmolLM2's 30 down_proj weights on random inputs), enough
-        to change a bf16 logit. A request decoding alone then got other logits than the same
-        position inside a batch or a verify row: the only speculative-vs-plain mismatch found in
-        bf16 (benchmarks/bench_bf16_identity.py). The twin computes exactly the same k/v (same
-        input, same row computation) into the same cache position, and its outputs are dropped.
-        Cost: a 2-row bf16 GEMM instead of a GEMV, ~1-3% of those steps only."""
+        without padding; the final hidden states [N, H]. With ``pad_single_row`` a one-token
+        forward carries a twin (same token, slot and position: the very same k/v, outputs
+        dropped), so no linear runs with one row: on CPU a bf16 linear of 1 row (oneDNN's GEMV)
+        can differ in the last bit from the same row among 2+ (GEMMs agree for every count), and
+        a request decoding alone then got other logits than inside a batch or verify row, the
+        bf16 speculative-vs-plain mismatch (docs/benchmarks.md). Cost: a 2-row GEMM on those steps."""
         n_new = [len(x) for x in inputs]
         ids = [t for x in inputs for t in x]
         if self.pad_single_row and len(ids) == 1:
