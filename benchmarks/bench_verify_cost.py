@@ -6,8 +6,9 @@ pays off while ``verify_time(K) / decode_time < accept_len``. The script times t
 ``run`` (forward through the cache + sampling/verification) on the model of a config, with every
 request holding ``--context`` cached tokens, and prints the ratio per batch size and K, side by
 side in one process. It then fits ``time = a + c * B + b * B * (K + 1)`` (a: fixed cost of a
-forward, c: per request, b: per token row) and prints ``a / b``, the value to give
-``spec.forward_cost_tokens`` on this device.
+forward, c: per request, b: per token row) over the steps of at most ``--fit-max-rows`` token
+rows (past the device's saturation time grows faster than linearly) and prints ``a / b``, the value
+to give ``spec.forward_cost_tokens`` on this device.
 
     .venv/bin/python benchmarks/bench_verify_cost.py --config configs/tiny.yaml [--device cuda]
     .venv/bin/python benchmarks/bench_verify_cost.py --model ~/.cache/megarl/models/smollm2 --threads 2
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--context", type=int, default=128, help="cached tokens per request")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fit-max-rows", type=int, default=64,
+                    help="fit the cost model on the steps of at most this many token rows (batch x (K+1))")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     if args.threads:
@@ -94,13 +97,22 @@ def main() -> None:
         print(f"{b:>6} {base * 1e3:>10.2f} " + " ".join(f"{ratios[k]:>11.2f}" for k in ks))
     print("speculation pays off while the ratio stays below the mean tokens per verify forward "
           "(accept_len_mean of `megarl bench rollout`)")
-    x = torch.tensor([[1.0, b, b * (k + 1)] for b, k, _ in points], dtype=torch.float64)
-    y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
-    a, c, tok = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
-    fit = {"forward_ms": a * 1e3, "per_request_ms": c * 1e3, "per_token_ms": tok * 1e3,
-           "forward_cost_tokens": a / tok if tok > 0 else float("inf")}
-    print(f"fit: {fit['forward_ms']:.3f} ms per forward + {fit['per_request_ms']:.4f} ms per request + "
-          f"{fit['per_token_ms']:.4f} ms per token row -> spec.forward_cost_tokens ~ {fit['forward_cost_tokens']:.0f}")
+    # Fit where the cost rule decides (a forward of few token rows): past the device's saturation
+    # the time grows faster than linearly (a CPU at 64 x 9 rows; SmolLM2, 2026-11-25), and points
+    # from there gave a negative fixed cost.
+    used = [(b, k, t) for b, k, t in points if b * (k + 1) <= args.fit_max_rows]
+    x = torch.tensor([[1.0, b, b * (k + 1)] for b, k, _ in used], dtype=torch.float64)
+    y = torch.tensor([t for _, _, t in used], dtype=torch.float64)
+    a, c, tok = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist() if len(used) >= 3 else (0.0, 0.0, 0.0)
+    fit = {"forward_ms": a * 1e3, "per_request_ms": c * 1e3, "per_token_ms": tok * 1e3, "points": len(used),
+           "forward_cost_tokens": a / tok if a > 0 and tok > 0 else None}
+    if fit["forward_cost_tokens"] is None:
+        print(f"fit over the {len(used)} steps of <= {args.fit_max_rows} token rows: no positive fixed and per-row "
+              "cost (too few points, or the device is not linear there); set spec.forward_cost_tokens from the table")
+    else:
+        print(f"fit over the {len(used)} steps of <= {args.fit_max_rows} token rows: {fit['forward_ms']:.3f} ms per "
+              f"forward + {fit['per_request_ms']:.4f} ms per request + {fit['per_token_ms']:.4f} ms per token row "
+              f"-> spec.forward_cost_tokens ~ {fit['forward_cost_tokens']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model or args.config, "threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype, "context": args.context, "rows": rows,
