@@ -13,9 +13,8 @@ One iteration is ``admit() -> schedule() -> run() -> postprocess()`` (docs/desig
 - ``postprocess`` (host) appends the accepted drafts plus the target's token, rolls the cache back
   past rejected drafts, retires finished requests and frees their slots.
 
-Every token is a function of (weights, prompt, seed, step, uid, sample_idx, position) only
-(docs/design.md §1), so which requests share a batch never changes a response (up to the
-batch-invariance of the float reductions: exact in the float64 CPU tests).
+Every token is a function of (weights, prompt, seed, step, uid, sample_idx, position) only (docs/design.md
+§1): batches never change a response (up to the float reductions' batch-invariance; exact in float64).
 
 Tensor parallelism: given a ``TPCausalLM`` (megarl/engine/tp_model.py), every rank of the rollout
 group runs its own ``Engine`` over the same requests. The model's collectives hand every rank
@@ -25,6 +24,7 @@ cache differs: it holds the rank's own KV heads.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections import deque
@@ -40,6 +40,7 @@ from megarl.engine.requests import EngineConfig, Request, Result
 from megarl.engine.sampler import SamplingParams, token_stats
 from megarl.engine.speculation import DraftTarget, Speculation
 from megarl.engine.tp_model import TPCausalLM, tp_shard
+from megarl.models import packed_linear
 from megarl.models.llama import CausalLM
 from megarl.engine.verify import verify
 from megarl.utils.cpu_alloc import keep_freed_memory
@@ -97,13 +98,11 @@ class Engine:
         self.cfg, self.seed, self.spec = cfg, seed, spec
         self.dtype, self.device = cfg.torch_dtype, torch.device(cfg.device)
         if self.device.type == "cpu":
-            # Attention probabilities below 1e-38 are fp32 denormals, on which x86 matmuls take a
-            # slow path: measured 17 s vs 0.4 s for one rollout of the tiny model after an RL step.
-            # Flushing them to zero (what GPUs do) is process-wide, and harmless for training too.
+            # fp32 denormal attention probabilities take x86's slow path (a tiny-model rollout: 17 s
+            # vs 0.4 s); flushing them to zero (as GPUs do) is process-wide, harmless for training.
             torch.set_flush_denormal(True)
             keep_freed_memory()  # large [rows, vocab] temporaries reuse the heap (megarl/utils/cpu_alloc.py)
-        # Sampling math runs in at least fp32: bf16 logits + noise would tie constantly.
-        self.sample_dtype = torch.promote_types(self.dtype, torch.float32)
+        self.sample_dtype = torch.promote_types(self.dtype, torch.float32)  # bf16 + noise would tie
         # In place; q/k/v and gate/up then run as one matmul each (llama.fuse_linears).
         self.model = model.to(device=self.device, dtype=self.dtype).eval().fuse_projections()
         a = model.args
@@ -117,10 +116,12 @@ class Engine:
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                                  n_kv, a.head_dim, self.dtype, self.device)
-        # bf16 on CPU: a forward of one token row runs every linear with the twin row of
-        # ``_forward`` (see there); other dtypes / devices, and the paged cache, run it as it is.
-        self.pad_single_row = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                               and isinstance(self.cache, KVCache))
+        # CPU, slot cache: fp32/bf16 linears on oneDNN-reordered weights (megarl/models/packed_linear.py);
+        # with them, or in bf16, a one-token forward carries the twin row of ``_forward``.
+        slots_cpu = self.device.type == "cpu" and isinstance(self.cache, KVCache)
+        self.packs = (packed_linear.PackedLinears(self.model) if cfg.cpu_packed_linears and slots_cpu
+                      and packed_linear.supports(self.dtype, self.device) else None)
+        self.pad_single_row = slots_cpu and (self.packs is not None or self.dtype == torch.bfloat16)
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False
@@ -143,7 +144,6 @@ class Engine:
         if self.spec is not None:
             self.spec.reset_stats()
 
-    # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], sliced: bool = False) -> None:
         """Copy HF-named tensors into the model in place, cast to the engine dtype. All names
@@ -163,8 +163,7 @@ class Engine:
         bad_shape = [f"{k}: got {tuple(named[k].shape)}, expected {tuple(params[k].shape)}"
                      for k in sorted(names & set(params)) if named[k].shape != params[k].shape]
         if missing or unexpected or bad_shape:
-            raise ValueError(f"load_weights: missing={missing} unexpected={unexpected} "
-                             f"mis-shaped={bad_shape}")
+            raise ValueError(f"load_weights: missing={missing} unexpected={unexpected} mis-shaped={bad_shape}")
         for k in names:
             params[k].copy_(named[k].to(device=self.device, dtype=self.dtype))
 
@@ -298,10 +297,11 @@ class Engine:
             n_rows.append(len(d) + 1)
             off += n
         h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
-        if self.pad_single_row and h.shape[0] == 1:  # the LM head with its twin row too (see _forward)
-            logits = self.model.logits(h.expand(2, -1))[:1].to(self.sample_dtype)
-        else:
-            logits = self.model.logits(h).to(self.sample_dtype)
+        with self._linears():
+            if self.pad_single_row and h.shape[0] == 1:  # the LM head with its twin row too (see _forward)
+                logits = self.model.logits(h.expand(2, -1))[:1].to(self.sample_dtype)
+            else:
+                logits = self.model.logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
         row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
         per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
@@ -327,21 +327,26 @@ class Engine:
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> torch.Tensor:
         """One forward through the cache over ``inputs[i]`` appended to slot ``slots[i]``, packed
         without padding; the final hidden states [N, H]. With ``pad_single_row`` a one-token
-        forward carries a twin (same token, slot and position: the very same k/v, outputs
-        dropped), so no linear runs with one row: on CPU a bf16 linear of 1 row (oneDNN's GEMV)
-        can differ in the last bit from the same row among 2+ (GEMMs agree for every count), and
-        a request decoding alone then got other logits than inside a batch or verify row, the
-        bf16 speculative-vs-plain mismatch (docs/benchmarks.md). Cost: a 2-row GEMM on those steps."""
+        forward carries a twin (same token, slot and position, outputs dropped), so no linear runs
+        with one row: on CPU a 1-row linear (torch's bf16 GEMV; packed fp32 with 1536 inputs) can
+        differ in the last bit from the same row among 2+ (which agree for every count), so a
+        request decoding alone got other logits than in a batch or verify row (docs/benchmarks.md
+        "Token identity in bf16"). Cost: a 2-row GEMM on those steps (about a 1-row one, packed)."""
         n_new = [len(x) for x in inputs]
         ids = [t for x in inputs for t in x]
-        if self.pad_single_row and len(ids) == 1:
+        n = len(ids)
+        if self.pad_single_row and n == 1:
             starts = self.cache.table.reserve(slots, n_new)
             attn = CacheAttention(self.cache, slots * 2, starts * 2, n_new * 2)
-            ids_t = torch.tensor([ids * 2], dtype=torch.int64).to(self.device)
-            return self.model.hidden_states(ids_t, attn.positions, attn)[0, :1]
-        attn, positions = self.cache.batch(slots, n_new)
+            ids, positions = ids * 2, attn.positions
+        else:
+            attn, positions = self.cache.batch(slots, n_new)
         ids_t = torch.tensor([ids], dtype=torch.int64).to(self.device)
-        return self.model.hidden_states(ids_t, positions, attn)[0]
+        with self._linears():
+            return self.model.hidden_states(ids_t, positions, attn)[0, :n]
+
+    def _linears(self):  # the context the target's forwards run in: its packed linears, if any
+        return self.packs.active() if self.packs is not None else contextlib.nullcontext()
 
     def postprocess(self, batch: _Batch, out: _Verified, running: list[_Seq]) -> int:
         """Host only: append each row's verified tokens up to a stop condition, roll the cache

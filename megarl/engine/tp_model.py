@@ -52,6 +52,7 @@ from torch import nn
 
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
+from megarl.models.packed_linear import linear
 
 # How each HF tensor is cut, by name suffix (per-layer names) or full name.
 _COLUMN = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
@@ -149,7 +150,7 @@ class RowParallelLinear(nn.Linear):
         self.group, self.tp_size = group, tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
@@ -208,7 +209,7 @@ class TPCausalLM(CausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [..., V]: this rank's slice, all-gathered over the group (see the
         module docstring for the cost)."""
-        local = F.linear(hidden, self.lm_head_weight).contiguous()
+        local = linear(hidden, self.lm_head_weight).contiguous()
         if self.tp_size == 1:
             return local
         if local.shape[-1] < self.vocab_piece:  # the short last piece: pad to equal-size messages

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.models.config import ModelArgs
+from megarl.models.packed_linear import Linear, linear
 
 
 class AttentionBackend(Protocol):
@@ -120,10 +121,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=args.o_bias)
+        self.q_proj = Linear(h, self.n_heads * d, bias=args.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=args.o_bias)
         self._qkv = None  # (weight, bias) of fuse(), when fused
 
     def fuse(self) -> None:
@@ -135,7 +136,7 @@ class Attention(nn.Module):
         """q, k, v projections of ``x`` [B, T, H] (one matmul once fused), heads unflattened."""
         b, t, _ = x.shape
         if _fused_is_current(self._qkv, self.q_proj):
-            q, k, v = F.linear(x, *self._qkv).split(
+            q, k, v = linear(x, *self._qkv).split(
                 [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -172,9 +173,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
         ff = intermediate_size or args.intermediate_size
-        self.gate_proj = nn.Linear(args.hidden_size, ff, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, ff, bias=False)
-        self.down_proj = nn.Linear(ff, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, ff, bias=False)
+        self.up_proj = Linear(args.hidden_size, ff, bias=False)
+        self.down_proj = Linear(ff, args.hidden_size, bias=False)
         self._gate_up = None  # (weight, None) of fuse(), when fused
 
     def fuse(self) -> None:
@@ -184,7 +185,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if _fused_is_current(self._gate_up, self.gate_proj):
-            gate, up = F.linear(x, self._gate_up[0]).chunk(2, dim=-1)
+            gate, up = linear(x, self._gate_up[0]).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -194,9 +195,9 @@ class MixtralExpert(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
-        self.w3 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.moe_intermediate_size, args.hidden_size, bias=False)
+        self.w1 = Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.w3 = Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.w2 = Linear(args.moe_intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -219,7 +220,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = (args.num_experts, args.num_experts_per_tok,
                                                              args.norm_topk_prob)
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         if args.model_type == "mixtral":
             self.experts = nn.ModuleList(MixtralExpert(args) for _ in range(args.num_experts))
         else:
@@ -299,7 +300,7 @@ class CausalLM(nn.Module):
         self.args = args
         self.model = DecoderModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -318,7 +319,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+        return linear(hidden, self.lm_head_weight)
 
     def forward(self, input_ids, positions=None, attn=None):
         return self.logits(self.hidden_states(input_ids, positions, attn))
