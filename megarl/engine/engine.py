@@ -116,12 +116,12 @@ class Engine:
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                                  n_kv, a.head_dim, self.dtype, self.device)
-        # CPU, slot cache: fp32/bf16 linears on oneDNN-reordered weights (megarl/models/packed_linear.py);
-        # with them, or in bf16, a one-token forward carries the twin row of ``_forward``.
-        slots_cpu = self.device.type == "cpu" and isinstance(self.cache, KVCache)
-        self.packs = (packed_linear.PackedLinears(self.model) if cfg.cpu_packed_linears and slots_cpu
+        # CPU: fp32/bf16 linears on oneDNN-reordered weights (megarl/models/packed_linear.py); with
+        # them, or in bf16, a one-token forward through the slot cache carries ``_forward``'s twin row.
+        self.packs = (packed_linear.PackedLinears(self.model) if cfg.cpu_packed_linears
                       and packed_linear.supports(self.dtype, self.device) else None)
-        self.pad_single_row = slots_cpu and (self.packs is not None or self.dtype == torch.bfloat16)
+        self.pad_single_row = (self.device.type == "cpu" and isinstance(self.cache, KVCache)
+                               and (self.packs is not None or self.dtype == torch.bfloat16))
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False

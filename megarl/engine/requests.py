@@ -35,9 +35,9 @@ class EngineConfig:
     positions (the slot cache's memory). Fewer blocks admit fewer requests at once: a request is
     admitted only once the pool can hold its longest possible length."""
     cpu_packed_linears: bool = True
-    """CPU, float32/bfloat16, slot cache: run the model's linears through oneDNN on weights
-    reordered once (megarl/models/packed_linear.py): 1.5-3x faster matmuls here, a row's bits
-    independent of the row count, one more copy of the weights in memory. False: ``F.linear``."""
+    """CPU, float32/bfloat16: run the model's linears through oneDNN on weights reordered once
+    (megarl/models/packed_linear.py): 1.3-3x faster matmuls on this project's CPUs, a row's bits
+    the same for any row count from 2 up, one more copy of the weights in memory. False: ``F.linear``."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -49,6 +49,9 @@ class RolloutConfig:
     """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
     fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
     prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
+    cpu_packed_linears: bool = True
+    """On CPU in float32/bfloat16, run the engine's linears through oneDNN on weights reordered once
+    (``EngineConfig.cpu_packed_linears``): 1.3-3x faster matmuls, one more copy of the weights."""
     placement: Literal["round_robin", "length"] = "round_robin"
     """How a step's prompts are spread over the rollout replicas (multi-process runs):
     ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
@@ -83,7 +86,7 @@ class RolloutConfig:
         from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
 
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
-                            device=self.device, kv_cache=self.kv_cache)
+                            device=self.device, kv_cache=self.kv_cache, cpu_packed_linears=self.cpu_packed_linears)
 
 @dataclass
 class Group:
