@@ -60,9 +60,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--noise", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, [f"rollout.dtype={args.dtype}"])
+    cfg = load_config(args.config, [f"rollout.dtype={args.dtype}", *args.set])
     inputs = prepare_inputs(cfg)
     model = load_hf_model(inputs.init_from_hf, getattr(torch, args.dtype))
     spec = Speculator(dataclasses.replace(cfg.spec, enabled=True, sources=("bubble",), forward_cost_tokens=0.0,
