@@ -9,7 +9,7 @@ path uses) measured, over SmolLM2-135M's linears with the weights out of cache (
 docs/benchmarks.md "Prepacked linears"): fp32 2.1-3.0x at 1 row, 2.3-2.8x at 64 rows; bf16
 1.3-2.1x / 1.3-1.5x (two runs).
 And every row of it gets the same bits for any row count from 2 up (fp32 and bf16, every shape
-tested, tests/models/test_packed_linear.py); a lone row may not (fp32 with 1536 input features
+tested, tests/engine/test_packed_linear.py); a lone row may not (fp32 with 1536 input features
 splits the reduction), which the engine's twin row covers (``Engine._forward``).
 
 How: the engine opens ``PackedLinears.active()`` around its forwards; inside it, ``linear`` (which
