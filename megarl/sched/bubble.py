@@ -4,7 +4,8 @@ the step's rollout phase (issue 6 item 3; BubbleSpec, RollPacker, TLT).
 The work comes in small units (one engine iteration of pre-generation, one group's
 forward/backward of stream training), and before each unit the replica asks whether the rollout
 phase is over (every replica finished its share); once it is, the work stops after the unit in
-flight, so bubble work delays the step by at most one unit. The answer comes from an
+flight, so bubble work delays the step by at most one unit, and a unit is started only if it is
+expected to end inside the bubble (megarl/sched/bubble_budget.py). The answer comes from an
 asynchronous all-reduce that each replica posts when its own share is done: it completes when
 the last replica posts it. Within a rollout TP group the ranks must stop at the same unit (their
 forwards pair up in collectives), so they agree on the answer with one tiny all-reduce per unit.
@@ -76,15 +77,19 @@ class PhaseEnd:
         self._flag = torch.ones(1, dtype=torch.int32, device=self.device)
         self._work = dist.all_reduce(self._flag, group=self.dp_group, async_op=True)
 
-    def over(self) -> bool:
-        if not self._over:
-            local = self._work.is_completed()
-            if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-                t = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
-                local = bool(t.item())
-            self._over = local
-        return self._over
+    def over(self, also: bool = False) -> bool:
+        """Whether the phase is over, or, with ``also`` (this rank's own reason to stop now: the
+        bubble budget, megarl/sched/bubble_budget.py), whether to stop anyway; both agreed across
+        the TP group, the first remembered."""
+        if self._over:
+            return True
+        done = self._work.is_completed()
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            t = torch.tensor([int(done), int(also)], dtype=torch.int32, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+            done, also = bool(t[0].item()), bool(t[1].item())
+        self._over = done
+        return done or also
 
     def wait(self) -> None:
         self._work.wait()

@@ -57,19 +57,21 @@ class BubblePolicy:
             return None
 
         def work(stop) -> dict:
+            # stop(kind): the phase is over, or a unit of ``kind`` would not fit (megarl/sched/bubble_budget.py)
             for what in self.order:  # schedule.bubble_work's order: its priority
                 if stop():
                     break
                 if what == "stream_train":
                     with tl.phase("train"):
-                        tl.bubble_groups = stream.drain(stop)
+                        tl.bubble_groups = stream.drain(lambda: stop("stream_train"))
                 elif what == "drafter_train":
                     if rollout.spec.drafter_ready:
                         with tl.phase("bubble"):
-                            rollout.spec.train_drafter(stop, max_steps=self.drafter.steps_per_bubble)
+                            rollout.spec.train_drafter(lambda: stop("drafter_train"),
+                                                       max_steps=self.drafter.steps_per_bubble)
                 elif next_uids is not None:
                     with tl.phase("bubble"):
-                        tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=stop)
+                        tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=lambda: stop("pregen"))
             return {}  # figures go to the timeline (summed over replicas there)
 
         return work

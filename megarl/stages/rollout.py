@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megarl.rl.rewards import RewardConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
+from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.placement import LengthHistory, place
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.task import Problem
@@ -116,6 +117,7 @@ class RolloutStage:
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
         self._worker: BubbleWorker | None = None  # bubble work of the last run(), until wait_bubble()
+        self.bubble_budget = BubbleBudget()  # which bubble units fit (megarl/sched/bubble_budget.py)
         self._others: list[list[Result]] = []  # other replicas' results of the last run(), for share_drafts()
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
@@ -209,9 +211,11 @@ class RolloutStage:
         if bubble is not None:
             end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
             end.post()
-            self._worker = BubbleWorker(lambda: bubble(end.over), low_priority,
+            stop = self.bubble_budget.start(end.over)
+            self._worker = BubbleWorker(lambda: bubble(stop), low_priority,
                                         flush_denormal=self.engine.device.type == "cpu")
             end.wait()
+            self.bubble_budget.phase_over()
         shares = [None] * self.replicas
         dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors), group=self.dp_group)
         g = self.cfg.group_size

@@ -1,0 +1,80 @@
+"""The bubble budget (megarl/sched/bubble_budget.py): a unit of bubble work starts only if it is
+expected to end before the rollout phase does, from measured bubble and unit lengths."""
+from megarl.sched.bubble_budget import BubbleBudget
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Phase:
+    """``PhaseEnd.over`` stand-in: over once ``done``; records the ``also`` it was given."""
+
+    def __init__(self):
+        self.done, self.asked = False, []
+
+    def over(self, also: bool = False) -> bool:
+        self.asked.append(also)
+        return self.done or also
+
+
+def _bubble(budget, clock, phase, units: int, unit_s: float, kind="stream_train", bubble_s: float = 1.0) -> int:
+    """One bubble of ``bubble_s`` seconds in which the work runs units of ``unit_s`` while allowed;
+    returns how many it started (the drain loop of megarl/stream_train/stream.py)."""
+    start = clock.t
+    stop, started = budget.start(phase.over), 0
+    phase.done = False
+    while started < units and not stop(kind):
+        started += 1
+        clock.t += unit_s
+        phase.done = clock.t - start >= bubble_s
+    after = max(clock.t, start + bubble_s)
+    clock.t = start + bubble_s  # the main thread's wait ends with the phase, maybe inside a unit
+    budget.phase_over()
+    clock.t = after
+    stop(kind)  # the check after the last unit (it measures that unit)
+    return started
+
+
+def test_units_longer_than_the_bubble_stop_once_both_are_measured():
+    clock, phase = Clock(), Phase()
+    budget = BubbleBudget(clock)
+    # First bubble: nothing measured, one unit runs (15 s in a 1 s bubble: the step waits for it).
+    assert _bubble(budget, clock, phase, units=3, unit_s=15.0) == 1
+    assert budget.bubble_s == 1.0 and budget.unit_s == {"stream_train": 15.0}
+    # From then on a 15 s unit does not fit the bubbles this replica has: none starts.
+    for _ in range(3):
+        assert _bubble(budget, clock, phase, units=3, unit_s=15.0) == 0
+    assert budget.bubble_s == 1.0
+
+
+def test_units_that_fit_keep_running_and_other_kinds_are_judged_apart():
+    clock, phase = Clock(), Phase()
+    budget = BubbleBudget(clock)
+    assert _bubble(budget, clock, phase, units=100, unit_s=0.125, bubble_s=1.0) == 8
+    assert budget.unit_s["stream_train"] == 0.125 and budget.bubble_s == 1.0
+    # A second bubble of the same length: units start while elapsed + 0.125 <= 1.0, all 8 of them.
+    assert _bubble(budget, clock, phase, units=100, unit_s=0.125, bubble_s=1.0) == 8
+    # Units that grew to 0.3 s: the moving average (0.125 -> 0.2125 -> 0.25625) lets fewer start.
+    assert _bubble(budget, clock, phase, units=100, unit_s=0.3, bubble_s=1.0) == 3
+    # A kind never measured may start (pre-generation after stream training, say).
+    stop = budget.start(phase.over)
+    phase.done = False
+    assert stop("pregen") is False
+    clock.t += 0.95
+    assert stop("stream_train") is True  # 0.95 + the unit's estimate > 1.0: it would overrun
+    assert stop() is False  # the phase itself is not over
+
+
+def test_the_phase_end_is_asked_with_the_budget_decision():
+    """The decision goes through PhaseEnd.over(also=...), which agrees it across a TP group."""
+    clock, phase = Clock(), Phase()
+    budget = BubbleBudget(clock)
+    budget.bubble_s, budget.unit_s = 1.0, {"pregen": 2.0}
+    stop = budget.start(phase.over)
+    assert stop("pregen") is True and phase.asked[-1] is True
+    assert stop("stream_train") is False and phase.asked[-1] is False
