@@ -189,6 +189,8 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
         # The replicas exchange without waiting for the stream-training unit in flight; training
         # waits for it (megarl/stages/rollout.py wait_bubble): half a group's forward/backward on average.
+        # (An upper bound: the bubble budget, megarl/sched/bubble_budget.py, starts no unit it expects
+        # to overrun the bubble; at GPU unit lengths the two agree.)
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
         train += 0.5 * unit / (profile.speed(R, "train") if profile.cores is not None else 1.0)
     all_speed = profile.speed(R, "train") if profile.cores is not None else 1.0
