@@ -11,10 +11,10 @@ the other idle for ~13 s of every step (0.85x the baseline's step time).
 So each replica remembers how long its bubbles were (the main thread times each, from its own
 share done to the phase's end) and how long a unit of each kind of work took (the time between two
 consecutive checks of that kind), both as moving averages, and before a unit asks whether
-``elapsed + unit <= bubble``. Until both are measured the answer is yes (at most one unit's delay,
-once). The decision only moves work between the bubble and the step's own time (stream training
-left over is trained after the rollout; bubble drafts not made are not used): samples and updates
-are unchanged.
+``elapsed + unit <= bubble``. The replicas share their unit lengths at each exchange. Until both
+are measured the answer is yes (at most one unit's delay, once). The decision only moves work
+between the bubble and the step's own time (stream training left over is trained after the
+rollout; bubble drafts not made are not used): samples and updates are unchanged.
 """
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ class BubbleBudget:
         if self._start is not None:
             self.bubble_s = _average(self.bubble_s, self.clock() - self._start)
             self._start = None
+
+    def adopt(self, others: list[dict[str, float]]) -> None:
+        """Unit lengths measured by the other replicas (their ``unit_s``): a kind this replica has
+        not run yet takes their mean, so that a replica's first bubble after another's is judged
+        too (units are the same work everywhere; bubble lengths stay each replica's own)."""
+        for kind in {k for o in others for k in o} - set(self.unit_s):
+            seen = [o[kind] for o in others if kind in o]
+            self.unit_s[kind] = sum(seen) / len(seen)
 
     def fits(self, kind: str, elapsed: float) -> bool:
         """Whether a unit of ``kind`` started ``elapsed`` seconds into the bubble is expected to

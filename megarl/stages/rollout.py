@@ -217,7 +217,9 @@ class RolloutStage:
             end.wait()
             self.bubble_budget.phase_over()
         shares = [None] * self.replicas
-        dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors), group=self.dp_group)
+        dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors,
+                                        dict(self.bubble_budget.unit_s)), group=self.dp_group)
+        self.bubble_budget.adopt([s[4] for r, s in enumerate(shares) if r != self.replica])
         g = self.cfg.group_size
         by_index: dict[int, tuple[list[Result], list[float]]] = {}
         for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order

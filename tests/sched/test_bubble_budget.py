@@ -78,3 +78,17 @@ def test_the_phase_end_is_asked_with_the_budget_decision():
     stop = budget.start(phase.over)
     assert stop("pregen") is True and phase.asked[-1] is True
     assert stop("stream_train") is False and phase.asked[-1] is False
+
+
+def test_a_replica_adopts_the_unit_lengths_the_others_measured():
+    """Replica 1 never ran a unit (it was the slowest), then finishes first: with replica 0's unit
+    length it does not start a 15 s unit in its ~0 s bubble."""
+    clock, phase = Clock(), Phase()
+    alone, budget = BubbleBudget(clock), BubbleBudget(clock)
+    alone.bubble_s = budget.bubble_s = 0.2  # its bubbles so far: short; no unit measured
+    assert _bubble(alone, clock, phase, units=3, unit_s=15.0, bubble_s=1.0) == 1  # without the others' figure
+    budget.adopt([{"stream_train": 15.0, "pregen": 0.05}, {"stream_train": 13.0}])
+    assert budget.unit_s == {"stream_train": 14.0, "pregen": 0.05}
+    assert _bubble(budget, clock, phase, units=3, unit_s=15.0, bubble_s=1.0) == 0
+    budget.adopt([{"stream_train": 99.0}])  # its own measurement stays
+    assert budget.unit_s["stream_train"] == 14.0
