@@ -11,7 +11,9 @@ the other idle for ~13 s of every step (0.85x the baseline's step time).
 So each replica remembers how long its bubbles were (the main thread times each, from its own
 share done to the phase's end) and how long a unit of each kind of work took (the time between two
 consecutive checks of that kind), both as moving averages, and before a unit asks whether
-``elapsed + unit <= bubble``. The replicas share their unit lengths at each exchange. Until both
+``elapsed + unit <= bubble``. A stream-training unit is also timed when the replica trains its
+leftover groups after the rollout, and the replicas share their unit lengths at each exchange
+(a unit in flight ends after it, so this lags a step). Until both
 are measured the answer is yes (at most one unit's delay, once). The decision only moves work
 between the bubble and the step's own time (stream training left over is trained after the
 rollout; bubble drafts not made are not used): samples and updates are unchanged.
@@ -51,6 +53,11 @@ class BubbleBudget:
             self.bubble_s = _average(self.bubble_s, self.clock() - self._start)
             self._start = None
 
+    def record_unit(self, kind: str, seconds: float) -> None:
+        """One unit of ``kind`` took ``seconds`` (measured in a bubble, or outside one: stream
+        training trains its leftover groups after the rollout, one unit each)."""
+        self.unit_s[kind] = _average(self.unit_s.get(kind), seconds)
+
     def adopt(self, others: list[dict[str, float]]) -> None:
         """Unit lengths measured by the other replicas (their ``unit_s``): a kind this replica has
         not run yet takes their mean, so that a replica's first bubble after another's is judged
@@ -80,7 +87,7 @@ class BubbleGate:
         if kind is None:
             return self.phase_over()
         if kind in self._last:  # the unit started at the last check of this kind ended now
-            b.unit_s[kind] = _average(b.unit_s.get(kind), now - self._last.pop(kind))
+            b.record_unit(kind, now - self._last.pop(kind))
         stop = self.phase_over(also=not b.fits(kind, now - self.start))
         if not stop:
             self._last[kind] = now  # a unit of this kind starts

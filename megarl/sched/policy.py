@@ -34,6 +34,7 @@ class BubblePolicy:
         self.low_priority = schedule.bubble_priority == "idle" and on_cpu
         self.drafter_steps = 0
         """The drafter's training steps taken so far (a step's figure is the difference)."""
+        self._last_stream = None  # the last step's StreamUpdate: its groups' training time
 
     def drafter_after_rollout(self, spec, tl: StepTimeline, groups_dp) -> dict:
         """After the rollout phase (bubble work joined): the drafter's training steps when there was
@@ -53,6 +54,9 @@ class BubblePolicy:
     def bubble_fn(self, rollout, stream, tl: StepTimeline, next_uids: list[int] | None, step: int):
         """The bubble work of one step for ``rollout`` (its RolloutStage), or None when there is
         none; ``stream``: the step's StreamUpdate (stream training) or None."""
+        last, self._last_stream = self._last_stream, stream
+        if last is not None and last.groups:  # every replica trained groups last step: a unit's length
+            rollout.bubble_budget.record_unit("stream_train", last.seconds / last.groups)
         if not (self.defer_stream or (self.pregen_in_bubble and next_uids is not None) or self.drafter_in_bubble):
             return None
 

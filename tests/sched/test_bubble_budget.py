@@ -92,3 +92,31 @@ def test_a_replica_adopts_the_unit_lengths_the_others_measured():
     assert _bubble(budget, clock, phase, units=3, unit_s=15.0, bubble_s=1.0) == 0
     budget.adopt([{"stream_train": 99.0}])  # its own measurement stays
     assert budget.unit_s["stream_train"] == 14.0
+
+
+def test_stream_units_timed_after_the_rollout_count_as_measurements():
+    """Stream training trains its leftover groups after the rollout, one unit each: the policy
+    records that time (megarl/sched/policy.py), so a replica knows the unit before its first bubble."""
+    clock, phase = Clock(), Phase()
+    budget = BubbleBudget(clock)
+    budget.bubble_s = 1.0
+    budget.record_unit("stream_train", 15.0)
+    assert _bubble(budget, clock, phase, units=3, unit_s=15.0, bubble_s=1.0) == 0
+    budget.record_unit("stream_train", 0.25)  # moving average: 7.625
+    assert budget.unit_s["stream_train"] == 7.625
+
+
+def test_the_policy_records_the_last_steps_time_per_group():
+    from types import SimpleNamespace
+
+    from megarl.sched.bubble import ScheduleConfig
+    from megarl.sched.policy import BubblePolicy
+    from megarl.spec.config import SpecConfig
+
+    policy = BubblePolicy(ScheduleConfig(), SpecConfig(), stream_train=True, on_cpu=True, replicas=2)
+    rollout = SimpleNamespace(bubble_budget=BubbleBudget())
+    step0, step1 = SimpleNamespace(groups=4, seconds=20.0), SimpleNamespace(groups=0, seconds=0.0)
+    policy.bubble_fn(rollout, step0, None, None, 0)
+    assert rollout.bubble_budget.unit_s == {}  # nothing trained before step 0
+    policy.bubble_fn(rollout, step1, None, None, 1)
+    assert rollout.bubble_budget.unit_s == {"stream_train": 5.0}
