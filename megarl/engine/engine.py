@@ -116,8 +116,7 @@ class Engine:
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
                                  n_kv, a.head_dim, self.dtype, self.device)
-        # CPU: fp32/bf16 linears on oneDNN-reordered weights (megarl/models/packed_linear.py); with
-        # them, or in bf16, a one-token forward through the slot cache carries ``_forward``'s twin row.
+        # CPU fp32/bf16: oneDNN linears (models/packed_linear.py); with them or bf16, ``_forward``'s twin row.
         self.packs = (packed_linear.PackedLinears(self.model) if cfg.cpu_packed_linears
                       and packed_linear.supports(self.dtype, self.device) else None)
         self.pad_single_row = (self.device.type == "cpu" and isinstance(self.cache, KVCache)
@@ -182,6 +181,8 @@ class Engine:
         it says yes, the unfinished requests are returned as they are, with ``finish_reason``
         ``"aborted"`` (their tokens are still exact samples: a prefix of the full response)."""
         self._validate(requests)
+        if self.packs is not None:  # drop packed weights that in-place writes made stale, once per call
+            self.packs.refresh()
         if self.tp_size > 1:
             self._check_group_agrees(requests, step)
         seqs = [_Seq(i, r) for i, r in enumerate(requests)]
@@ -334,8 +335,7 @@ class Engine:
         "Token identity in bf16"). Cost: a 2-row GEMM on those steps (about a 1-row one, packed)."""
         n_new = [len(x) for x in inputs]
         ids = [t for x in inputs for t in x]
-        n = len(ids)
-        if self.pad_single_row and n == 1:
+        if self.pad_single_row and len(ids) == 1:
             starts = self.cache.table.reserve(slots, n_new)
             attn = CacheAttention(self.cache, slots * 2, starts * 2, n_new * 2)
             ids, positions = ids * 2, attn.positions
@@ -343,7 +343,7 @@ class Engine:
             attn, positions = self.cache.batch(slots, n_new)
         ids_t = torch.tensor([ids], dtype=torch.int64).to(self.device)
         with self._linears():
-            return self.model.hidden_states(ids_t, positions, attn)[0, :n]
+            return self.model.hidden_states(ids_t, positions, attn)[0, :sum(n_new)]
 
     def _linears(self):  # the context the target's forwards run in: its packed linears, if any
         return self.packs.active() if self.packs is not None else contextlib.nullcontext()

@@ -14,6 +14,8 @@ splits the reduction), which the engine's twin row covers (``Engine._forward``).
 
 How: the engine opens ``PackedLinears.active()`` around its forwards; inside it, ``linear`` (which
 every linear of ``megarl.models.llama`` calls) finds or makes the reordered copy of its weight.
+The engine calls ``refresh()`` once per ``generate`` (a check over every parameter: ~0.3 ms for
+SmolLM2, too much to repeat at every forward).
 Outside it, or for other dtypes (fp64: the exactness tests) and devices, ``linear`` is
 ``F.linear``. The copies cost one more copy of the weights in memory; they are dropped and
 remade lazily when any parameter of the model changed, detected by ``(data_ptr, _version)``,
@@ -93,8 +95,8 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def active(self):
-        """Run this model's linears on the reordered weights inside the block (this thread)."""
-        self.refresh()
+        """Run this model's linears on the reordered weights inside the block (this thread); see
+        ``refresh`` for weights written since they were made."""
         outer = getattr(_state, "packs", None)
         _state.packs = self
         try:
