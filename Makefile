@@ -32,4 +32,4 @@ test: venv
 	$(PY) -m pytest -q --durations=15 tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info megarl/_suffix_index*.so
+	rm -rf $(VENV) build *.egg-info megarl/_*.so

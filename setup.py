@@ -5,13 +5,14 @@ from setuptools import Extension, find_packages, setup
 
 
 def ext_modules():
-    """The optional C++ suffix index (csrc/). pybind11 is imported here, not at the top, so that
-    setup.py still works without it; megarl then runs on the Python twin (megarl/spec/suffix_index.py)."""
+    """The optional C++ extensions (csrc/): the suffix index and the fused Gumbel-max sampler.
+    pybind11 is imported here, not at the top, so that setup.py still works without it; megarl then
+    runs on their Python twins (megarl/spec/suffix_index.py, megarl/engine/sampler.py)."""
     try:
         import pybind11
     except ImportError:
-        print("warning: pybind11 is not installed; skipping the optional C++ extension "
-              "megarl._suffix_index (the Python twin will be used). Install pybind11 and rebuild with "
+        print("warning: pybind11 is not installed; skipping the optional C++ extensions "
+              "megarl._suffix_index and megarl._keyed_gumbel (the Python twins will be used). Install pybind11 and rebuild with "
               "`pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`.",
               file=sys.stderr)
         return []
@@ -22,6 +23,14 @@ def ext_modules():
         language="c++",
         extra_compile_args=["-O3", "-std=c++17"],
         optional=True,  # a failed compile is a warning, not a failed install
+    ), Extension(
+        "megarl._keyed_gumbel",
+        ["csrc/keyed_gumbel.cpp"],
+        include_dirs=[pybind11.get_include()],
+        language="c++",
+        # bitwise parity with torch's op-by-op float32 math: no fused multiply-adds, no fast-math
+        extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"],
+        optional=True,
     )]
 
 

@@ -133,7 +133,8 @@ class Engine:
         if not m.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
             matmul -= m.model.embed_tokens.weight.numel()
         return DraftTarget(args=m.args, embed_weight=lambda: m.model.embed_tokens.weight.detach(),
-                           head_weight=lambda: m.lm_head_weight.detach(), matmul_params=matmul, seed=self.seed,
+                           head_weight=lambda: m.lm_head_weight.detach(), logits=self._head_logits,
+                           matmul_params=matmul, seed=self.seed,
                            dtype=self.dtype, sample_dtype=self.sample_dtype, device=self.device, tp_size=self.tp_size)
 
     def reset_stats(self) -> None:
@@ -344,6 +345,10 @@ class Engine:
         ids_t = torch.tensor([ids], dtype=torch.int64).to(self.device)
         with self._linears():
             return self.model.hidden_states(ids_t, positions, attn)[0, :sum(n_new)]
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self._linears():
+            return self.model.logits(hidden)
 
     def _linears(self):  # the context the target's forwards run in: its packed linears, if any
         return self.packs.active() if self.packs is not None else contextlib.nullcontext()

@@ -52,9 +52,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import logging
+
 import torch
 
 from megarl.engine.detmath import det_exp, det_log
+
+try:  # the fused C++ twin of sample_keyed's noise and argmax (csrc/keyed_gumbel.cpp)
+    from megarl import _keyed_gumbel as _native
+    _NATIVE_ERROR: str | None = None
+except ImportError as e:  # not built (no compiler / no pybind11) or built for another Python
+    _native, _NATIVE_ERROR = None, str(e)
+
+USE_NATIVE = True
+"""Whether ``sample_keyed`` uses the C++ kernel on CPU when it is built (tests turn it off to
+compare with the torch path; both give the same tokens)."""
+_warned = False
+log = logging.getLogger(__name__)
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0xCC9E2D51, 0x1B873593
@@ -255,6 +269,41 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, temperature, top_k=0, top_
     return SampleOutput(tokens, *token_stats(logits, temperature, tokens))
 
 
+def _native_ok(s: torch.Tensor) -> bool:
+    """Whether the C++ kernel can take these scores (built, CPU, float32/float64, switched on)."""
+    global _warned
+    if not USE_NATIVE or s.device.type != "cpu" or s.dtype not in (torch.float32, torch.float64):
+        return False
+    if _native is None:
+        if not _warned:
+            _warned = True
+            log.warning("The fused CPU sampler (megarl._keyed_gumbel) is not built (%s); sampling uses the "
+                        "slower torch path, which gives the same tokens. Build it with `pip install "
+                        "--no-build-isolation -e .` (needs pybind11 and a C++17 compiler).", _NATIVE_ERROR)
+        return False
+    return True
+
+
+def _pruned_argmax(s: torch.Tensor, m: torch.Tensor, hi: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The torch path of ``sample_keyed`` after filtering: exact scores of the candidates only."""
+    v = s.shape[1]
+    dev, dtype = s.device, s.dtype
+    # The exact scores of the PROBE highest logits of a row: their best, ``best``, is reached by
+    # the winner, so only tokens with fl(s_v + hi) >= best can win (see sample_keyed).
+    top = s.topk(min(PROBE, v), dim=-1).indices
+    best = (s.gather(1, top) + _gumbel(_finish(state[:, None], top), dtype)).max(dim=-1, keepdim=True).values
+    cand = ((s + hi) >= best) | torch.isnan(m)
+    if int(torch.count_nonzero(cand)) * 4 > cand.numel():
+        # Flat rows (e.g. random weights): most tokens are candidates, and hashing the dense
+        # [N, V] block is cheaper than gathering and scattering the candidates' indices.
+        vocab = torch.arange(v, dtype=torch.int64, device=dev)
+        return torch.argmax(s + _gumbel(_finish(state[:, None], vocab[None, :]), dtype), dim=-1)
+    r, c = cand.nonzero(as_tuple=True)
+    scored = torch.full_like(s, float("-inf"))
+    scored[r, c] = s[r, c] + _gumbel(_finish(state[r], c), dtype)
+    return torch.argmax(scored, dim=-1)
+
+
 def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, step: int, prompt_uid: torch.Tensor,
                  sample_idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """Sampled tokens [N], bit for bit ``sample(logits, gumbel_noise(seed, step, prompt_uid,
@@ -292,22 +341,13 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
     s = filter_logits(logits, pick(temperature, dtype), pick(top_k, torch.int64), pick(top_p, torch.float64))
     m = s.max(dim=-1, keepdim=True).values
     hi = torch.tensor(NOISE_HI, dtype=dtype, device=dev)
-    state = _row_state(seed, step, *key)
-    # The exact scores of the PROBE highest logits of a row: their best, ``best``, is reached by
-    # the winner, so only tokens with fl(s_v + hi) >= best can win (see the docstring).
-    top = s.topk(min(PROBE, v), dim=-1).indices
-    best = (s.gather(1, top) + _gumbel(_finish(state[:, None], top), dtype)).max(dim=-1, keepdim=True).values
-    cand = ((s + hi) >= best) | torch.isnan(m)
-    if int(torch.count_nonzero(cand)) * 4 > cand.numel():
-        # Flat rows (e.g. random weights): most tokens are candidates, and hashing the dense
-        # [N, V] block is cheaper than gathering and scattering the candidates' indices.
-        vocab = torch.arange(v, dtype=torch.int64, device=dev)
-        picked = torch.argmax(s + _gumbel(_finish(state[:, None], vocab[None, :]), dtype), dim=-1)
+    if _native_ok(s) and not bool(torch.isnan(m).any()):
+        # one fused pass per row: key, noise, pruning and argmax (same bits; csrc/keyed_gumbel.cpp)
+        fn = _native.keyed_argmax_f32 if dtype == torch.float32 else _native.keyed_argmax_f64
+        picked = torch.from_numpy(fn(s.contiguous().numpy(), seed & ((1 << 64) - 1), step & _M32,
+                                     *[x.contiguous().numpy() for x in key], float(hi)))
     else:
-        r, c = cand.nonzero(as_tuple=True)
-        scored = torch.full_like(s, float("-inf"))
-        scored[r, c] = s[r, c] + _gumbel(_finish(state[r], c), dtype)
-        picked = torch.argmax(scored, dim=-1)
+        picked = _pruned_argmax(s, m, hi, _row_state(seed, step, *key))
     if rows is None:
         return picked
     return tokens.index_put((rows,), picked)

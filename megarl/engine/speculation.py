@@ -25,6 +25,9 @@ class DraftTarget:
     """The target's token embedding [V, H] (current weights: they change every RL step)."""
     head_weight: Callable[[], torch.Tensor]
     """The target's LM head [V, H] (the embedding when tied)."""
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    """The target's LM head applied to hidden states [N, H] -> [N, V], computed as the engine
+    computes its own (on CPU through its packed linears: the head is most of a drafter's step)."""
     matmul_params: int
     """Weights the target reads per token in matmuls (for the drafter's cost relative to it)."""
     seed: int

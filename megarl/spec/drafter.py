@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from megarl.engine.sampler import filter_logits, gumbel_noise
+from megarl.engine.sampler import sample_keyed
 from megarl.models.config import ModelArgs
 from megarl.models.llama import DecoderLayer, RMSNorm, attention, rope_cos_sin
 from megarl.utils.fs import atomic_dir, safetensors_os_errors
@@ -102,9 +102,10 @@ class Drafter(nn.Module):
         return self(feats, F.embedding(tokens, embed_w), pos, _Attn(valid, band=self.window))
 
     @torch.no_grad()
-    def draft(self, feats, tokens, valid, k: int, embed_w, head_w, sampling: dict) -> torch.Tensor:
+    def draft(self, feats, tokens, valid, k: int, embed_w, head, sampling: dict) -> torch.Tensor:
         """A chain of ``k`` draft tokens [B, k] after the windows ``feats`` [B, W, H] / ``tokens``
-        [B, W] (left-padded: ``valid``), each sampled with the request's own noise.
+        [B, W] (left-padded: ``valid``), each sampled with the request's own noise. ``head``: the
+        target's LM head, hidden states [B, H] -> logits [B, V].
 
         ``sampling``: per row ``temperature``, ``top_k``, ``top_p``, ``uid``, ``sample_idx``,
         ``position`` ([B] tensors: the response position of the first draft token), ``seed``,
@@ -114,18 +115,15 @@ class Drafter(nn.Module):
         attn = _Attn(valid, keep=True)
         pos = torch.arange(w, device=dev).expand(b, w)
         x_feat, x_emb = feats, F.embedding(tokens, embed_w)
-        # The noise of all k positions in one call (its cost is mostly per call at a small vocab).
-        j = torch.arange(k, device=dev)
-        noise = gumbel_noise(sampling["seed"], sampling["step"], sampling["uid"].repeat_interleave(k),
-                             sampling["sample_idx"].repeat_interleave(k), (sampling["position"][:, None] + j).reshape(-1),
-                             head_w.shape[0], sampling["dtype"]).view(b, k, -1)
         out = []
         for j in range(k):
             pred = self(x_feat, x_emb, pos, attn)[:, -1:]  # [B, 1, H]
-            logits = F.linear(pred[:, 0], head_w).to(sampling["dtype"])
-            # sampler.sample's token without its logprob/entropy work: greedy rows take the argmax
-            filtered = filter_logits(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
-            tok = torch.where(sampling["temperature"] == 0, logits.argmax(-1), (filtered + noise[:, j]).argmax(-1))
+            logits = head(pred[:, 0]).to(sampling["dtype"])
+            # the sampler's token (hashing only the tokens that can still win: the dense noise
+            # over the vocabulary was most of a chain step at SmolLM2's 49k tokens)
+            tok = sample_keyed(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
+                               sampling["seed"], sampling["step"], sampling["uid"], sampling["sample_idx"],
+                               sampling["position"] + j)
             out.append(tok)
             x_feat, x_emb = pred, F.embedding(tok[:, None], embed_w)
             pos = torch.full((b, 1), w + j, device=dev, dtype=torch.int64)

@@ -150,7 +150,7 @@ class DrafterSource:
             "position": per([len(t) for t in tokens], torch.int64), "seed": e.seed, "step": self.step,
             "dtype": e.sample_dtype}
         out = self.model.draft(self._feat[rows[:, None], slot], self._tok[rows[:, None], slot], valid, k,
-                               self.embed_weight(), self.head_weight(), sampling)
+                               self.embed_weight(), self.target.logits, sampling)
         return out.tolist()
 
     def end(self, results, step: int, purpose: str) -> None:

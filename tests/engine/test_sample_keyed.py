@@ -1,10 +1,43 @@
 """``sample_keyed`` (greedy rows without noise, the other rows hashing only the tokens that can
-win) gives exactly the tokens of the full-noise reference ``sample(logits, gumbel_noise(...))``."""
+win) gives exactly the tokens of the full-noise reference ``sample(logits, gumbel_noise(...))``,
+on both of its paths: torch ops, and the fused C++ kernel (csrc/keyed_gumbel.cpp; its noise is
+also compared with torch's on every one of the 2**23 values)."""
 import pytest
 import torch
 
 from megarl.engine import sampler
 from megarl.engine.sampler import gumbel_noise, sample, sample_keyed
+
+NATIVE_BUILT = sampler._native is not None
+
+
+@pytest.fixture(autouse=True, params=["torch", "native"])
+def path(request, monkeypatch):
+    """Every test below runs on the torch path and on the C++ kernel (skipped only if not built)."""
+    if request.param == "native" and not NATIVE_BUILT:
+        pytest.skip(f"megarl._keyed_gumbel is not built: {sampler._NATIVE_ERROR}")
+    monkeypatch.setattr(sampler, "USE_NATIVE", request.param == "native")
+    return request.param
+
+
+def test_native_noise_equals_torch_on_every_value(path):
+    """The kernel's noise of each of the 2**23 possible hash prefixes, bit for bit torch's
+    ``_gumbel`` (float32 op by op: a fused multiply-add or another log would show here)."""
+    if path != "native":
+        pytest.skip("a property of the kernel")
+    idx = torch.arange(1 << 23, dtype=torch.int64)
+    got = torch.from_numpy(sampler._native.gumbel_values(idx.numpy()))
+    want = torch.cat([sampler._gumbel(c << 9, torch.float32) for c in idx.split(1 << 20)])
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_path_in_use_is_the_one_asked_for(path, monkeypatch):
+    """The fixture's switch really selects the path (else the two runs would test one thing)."""
+    calls = []
+    monkeypatch.setattr(sampler, "_pruned_argmax", lambda *a: calls.append(1) or torch.zeros(2, dtype=torch.int64))
+    sample_keyed(torch.randn(2, 50), 1.0, 0, 1.0, 1, 2, torch.arange(2), torch.zeros(2, dtype=torch.int64),
+                 torch.arange(2))
+    assert bool(calls) == (path == "torch")
 
 
 def _case(n, v, dtype, scale, seed):
@@ -43,6 +76,10 @@ def test_keyed_ties_and_special_values():
     key = [torch.arange(6), torch.zeros(6, dtype=torch.int64), torch.arange(6) * 3]
     full = sample(logits, gumbel_noise(1, 2, *key, v, torch.float32), 1.0).tokens
     assert torch.equal(sample_keyed(logits, 1.0, 0, 1.0, 1, 2, *key), full)
+    # without the NaN row (which sends a whole call to the torch path), the kernel takes the rest
+    keep = torch.tensor([0, 2, 3, 4, 5])
+    sub = [x[keep] for x in key]
+    assert torch.equal(sample_keyed(logits[keep], 1.0, 0, 1.0, 1, 2, *sub), full[keep])
 
 
 def test_keyed_bounds_matter(monkeypatch):
@@ -74,3 +111,15 @@ def test_winner_with_the_largest_noise_far_below_the_probed_tokens(dtype):
     full = sample(logits, gumbel_noise(3, 4, *one, v, dtype), 1.0).tokens
     assert full.tolist() == [winner]
     assert sample_keyed(logits, 1.0, 0, 1.0, 3, 4, *one).tolist() == [winner]
+
+
+def test_keys_at_their_extremes():
+    """Negative uids (two's complement words), a 64-bit seed, a step past 2**32 and large positions:
+    the kernel's key words are the documented ones."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 3000, generator=g) * 4
+    key = [torch.tensor([-1, -5, -(1 << 40), 7, (1 << 62) + 3, 0, -2, 1]), torch.arange(8) * 1000,
+           torch.tensor([0, 1, 2, (1 << 31) + 5, 4000, 77, 1 << 33, 9])]
+    for seed, step in (((1 << 64) - 1, (1 << 32) + 7), (-3, -1), (0, 0)):
+        full = sample(logits, gumbel_noise(seed, step, *key, 3000, torch.float32), 1.0).tokens
+        assert torch.equal(sample_keyed(logits, 1.0, 0, 1.0, seed, step, *key), full)

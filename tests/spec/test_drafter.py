@@ -62,6 +62,51 @@ def test_untrained_drafter_is_exact(strategy, sources):
         assert any(k.startswith("spec_strategy/") for k in m)
 
 
+def test_draft_chain_samples_with_the_requests_own_noise():
+    """Each chain token is argmax(filter(logits / T) + g) with g the target sampler's noise at
+    that request and position (greedy rows: the raw argmax): the coupling that makes drafts agree
+    with the target. Checked against the dense noise over the whole vocabulary (what the chain
+    used before it hashed only the tokens that can win), at a vocabulary large enough for pruning."""
+    from megarl.engine.sampler import filter_logits, gumbel_noise
+    from megarl.spec.drafter import Drafter, _Attn
+
+    args = ModelArgs(**{**ARGS, "vocab_size": 4096})
+    torch.manual_seed(0)
+    d = Drafter(args, window=4).double()
+    embed_w, head_w = torch.randn(4096, args.hidden_size, dtype=torch.float64), torch.randn(4096, args.hidden_size,
+                                                                                           dtype=torch.float64) * 3
+    b, w, k = 5, 4, 3
+    feats = torch.randn(b, w, args.hidden_size, dtype=torch.float64)
+    tokens = torch.randint(0, 4096, (b, w))
+    valid = torch.ones(b, w, dtype=torch.bool)
+    valid[0, :2] = False
+    sampling = {"temperature": torch.tensor([1.0, 0.0, 0.7, 1.0, 1.3], dtype=torch.float64),
+                "top_k": torch.tensor([0, 0, 50, 0, 0]), "top_p": torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0], dtype=torch.float64),
+                "uid": torch.tensor([3, 3, 8, 9, 11]), "sample_idx": torch.tensor([0, 1, 0, 2, 5]),
+                "position": torch.tensor([0, 4, 7, 1, 30]), "seed": 1234, "step": 2, "dtype": torch.float64}
+    head = lambda h: torch.nn.functional.linear(h, head_w)  # noqa: E731
+    got = d.draft(feats, tokens, valid, k, embed_w, head, sampling)
+
+    attn, pos = _Attn(valid, keep=True), torch.arange(w).expand(b, w)
+    x_feat, x_emb, want = feats, torch.nn.functional.embedding(tokens, embed_w), []
+    with torch.no_grad():
+        for j in range(k):
+            pred = d(x_feat, x_emb, pos, attn)[:, -1:]
+            logits = torch.nn.functional.linear(pred[:, 0], head_w)
+            g = gumbel_noise(1234, 2, sampling["uid"], sampling["sample_idx"], sampling["position"] + j, 4096,
+                             torch.float64)
+            s = filter_logits(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+            tok = torch.where(sampling["temperature"] == 0, logits.argmax(-1), (s + g).argmax(-1))
+            want.append(tok)
+            x_feat, x_emb = pred, torch.nn.functional.embedding(tok[:, None], embed_w)
+            pos = torch.full((b, 1), w + j, dtype=torch.int64)
+    want = torch.stack(want, 1)
+    assert torch.equal(got, want)
+    # the noise decides the sampled rows (another seed gives other tokens), not the greedy one
+    other = d.draft(feats, tokens, valid, k, embed_w, head, {**sampling, "seed": 99})
+    assert torch.equal(other[1], got[1]) and not torch.equal(other[[0, 2, 3, 4]], got[[0, 2, 3, 4]])
+
+
 def test_training_lowers_loss_raises_acceptance_and_stays_exact():
     """Rollouts of a fixed target fill the buffer; training on them lowers the drafter's loss and
     raises its acceptance on requests it has never seen, and output stays the target's."""
