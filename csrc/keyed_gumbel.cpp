@@ -17,16 +17,20 @@
 // - Scores are `s + g` in the sampler's dtype (float or double, g widened exactly), as torch adds
 //   them; the argmax takes the first maximum, as torch.argmax does.
 // - Pruning: fl(s_v + g_v) <= fl(s_v + hi) for every noise value (hi bounds them all; rounding is
-//   monotone). The row's argmax token t is scored first; a token whose fl(s_v + hi) is below the
-//   best score so far scores strictly below the final maximum and is skipped without hashing.
+//   monotone). The row's 16 highest scores are scored first (sampler.PROBE); a token whose
+//   fl(s_v + hi) is below the best score so far scores strictly below the final maximum and is
+//   skipped without hashing.
 // Rows with NaN are left to the caller (torch's argmax semantics for NaN are not repeated here).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -108,9 +112,43 @@ inline uint32_t row_state(uint64_t seed, uint32_t step, int64_t uid, int64_t sam
   return h;
 }
 
+constexpr int kProbe = 16;  // sampler.PROBE: highest logits scored first, for a tight bound
+
+// The Gumbel-max token of one row of scores s[0..v) under the key state h (no NaN in s).
+template <typename T>
+int64_t row_argmax(const T* s, int64_t v, uint32_t h, T hi) {
+  // The kProbe highest scores (ties: lower id first), kept sorted in a small array.
+  int64_t top[kProbe];
+  int n_top = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    if (n_top == kProbe && !(s[j] > s[top[kProbe - 1]])) continue;
+    int i = n_top < kProbe ? n_top++ : kProbe - 1;
+    while (i > 0 && s[j] > s[top[i - 1]]) {
+      top[i] = top[i - 1];
+      --i;
+    }
+    top[i] = j;
+  }
+  auto score = [&](int64_t j) { return s[j] + static_cast<T>(gumbel_of(finish(h, static_cast<uint32_t>(j)) >> 9)); };
+  int64_t arg = top[0];
+  T best = score(arg);
+  for (int i = 1; i < n_top; ++i) {
+    const T sc = score(top[i]);
+    if (sc > best || (sc == best && top[i] < arg)) best = sc, arg = top[i];
+  }
+  // Every other token that can still reach the best score so far (the probed ones are scored
+  // again: same score, and the tie rule keeps the lowest id).
+  for (int64_t j = 0; j < v; ++j) {
+    if (!(s[j] + hi >= best)) continue;
+    const T sc = score(j);
+    if (sc > best || (sc == best && j < arg)) best = sc, arg = j;
+  }
+  return arg;
+}
+
 template <typename T>
 py::array_t<int64_t> keyed_argmax(py::array_t<T, py::array::c_style> scores, uint64_t seed, uint32_t step,
-                                  I64 uid, I64 sample_idx, I64 position, double hi_in) {
+                                  I64 uid, I64 sample_idx, I64 position, double hi_in, int threads) {
   const int64_t n = scores.ndim() == 2 ? scores.shape(0) : -1, v = scores.ndim() == 2 ? scores.shape(1) : 0;
   if (n < 0 || uid.ndim() != 1 || uid.shape(0) != n || sample_idx.ndim() != 1 || sample_idx.shape(0) != n ||
       position.ndim() != 1 || position.shape(0) != n)
@@ -123,24 +161,16 @@ py::array_t<int64_t> keyed_argmax(py::array_t<T, py::array::c_style> scores, uin
   const T hi = static_cast<T>(hi_in);
   {
     py::gil_scoped_release release;
-    for (int64_t r = 0; r < n; ++r) {
-      const T* s = s_all + r * v;
-      const uint32_t h = row_state(seed, step, pu[r], ps[r], pp[r]);
-      int64_t t = 0;
-      for (int64_t j = 1; j < v; ++j)
-        if (s[j] > s[t]) t = j;
-      T best = s[t] + static_cast<T>(gumbel_of(finish(h, static_cast<uint32_t>(t)) >> 9));
-      int64_t arg = t;
-      for (int64_t j = 0; j < v; ++j) {
-        if (!(s[j] + hi >= best) || j == t) continue;  // cannot reach the best score so far
-        const T sc = s[j] + static_cast<T>(gumbel_of(finish(h, static_cast<uint32_t>(j)) >> 9));
-        if (sc > best || (sc == best && j < arg)) {
-          best = sc;
-          arg = j;
-        }
-      }
-      o[r] = arg;
-    }
+    // Rows are independent and each writes its own output: split them over threads (strided),
+    // the result does not depend on the split.
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+    auto work = [&](int64_t first) {
+      for (int64_t r = first; r < n; r += nt) o[r] = row_argmax(s_all + r * v, v, row_state(seed, step, pu[r], ps[r], pp[r]), hi);
+    };
+    std::vector<std::thread> pool;
+    for (int64_t k = 1; k < nt; ++k) pool.emplace_back(work, k);
+    work(0);
+    for (auto& th : pool) th.join();
   }
   return out;
 }
@@ -161,10 +191,10 @@ py::array_t<float> gumbel_values(py::array_t<int64_t, py::array::c_style> idx) {
 PYBIND11_MODULE(_keyed_gumbel, m) {
   m.doc() = "Fused counter-based Gumbel-max sampling (twin of megarl.engine.sampler.sample_keyed)";
   m.def("keyed_argmax_f32", &keyed_argmax<float>, py::arg("scores"), py::arg("seed"), py::arg("step"),
-        py::arg("uid"), py::arg("sample_idx"), py::arg("position"), py::arg("hi"),
+        py::arg("uid"), py::arg("sample_idx"), py::arg("position"), py::arg("hi"), py::arg("threads") = 1,
         "Per row of float32 scores [N, V]: argmax_v(scores + g(key, v)), pruned exactly.");
   m.def("keyed_argmax_f64", &keyed_argmax<double>, py::arg("scores"), py::arg("seed"), py::arg("step"),
-        py::arg("uid"), py::arg("sample_idx"), py::arg("position"), py::arg("hi"),
+        py::arg("uid"), py::arg("sample_idx"), py::arg("position"), py::arg("hi"), py::arg("threads") = 1,
         "The same for float64 scores (the float32 noise widened).");
   m.def("gumbel_values", &gumbel_values, py::arg("idx"),
         "The noise of hashes whose top 23 bits are idx (float32), for the parity test.");

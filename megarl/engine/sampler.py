@@ -345,7 +345,7 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
         # one fused pass per row: key, noise, pruning and argmax (same bits; csrc/keyed_gumbel.cpp)
         fn = _native.keyed_argmax_f32 if dtype == torch.float32 else _native.keyed_argmax_f64
         picked = torch.from_numpy(fn(s.contiguous().numpy(), seed & ((1 << 64) - 1), step & _M32,
-                                     *[x.contiguous().numpy() for x in key], float(hi)))
+                                     *[x.contiguous().numpy() for x in key], float(hi), torch.get_num_threads()))
     else:
         picked = _pruned_argmax(s, m, hi, _row_state(seed, step, *key))
     if rows is None:
