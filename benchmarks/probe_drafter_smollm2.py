@@ -20,7 +20,6 @@ import dataclasses
 import json
 import time
 
-import numpy as np
 import torch
 
 from megarl.config import load_config
@@ -114,7 +113,7 @@ def main() -> None:
                          "forward_reduction": 1 - sum(r.n_forwards for r in res) / max(tokens, 1),
                          "accept_len": m.get("spec/accept_len_mean", 0.0),
                          "exact_match": [r.tokens for r in res] == [r.tokens for r in ref]}
-            ref2, t2, _ = timed(plain, reqs, step)  # plain again between variants (drift)
+            _, t2, _ = timed(plain, reqs, step)  # plain again between variants (drift)
             row[name]["speedup_vs_next_plain"] = t2 / t
         report["eval"].append(row)
         print(json.dumps(row), flush=True)

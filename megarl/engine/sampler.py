@@ -49,10 +49,9 @@ token), so the prompt length never enters the noise.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
-
-import logging
 
 import torch
 
@@ -324,8 +323,10 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
     -inf, and the argmax (lowest id on ties) is the same as over the full row. (On SmolLM2's
     logits at T=1: ~10k candidates of 49k per row with the m + lo bound, ~2.8k with b.) A row
     whose max is NaN (NaN logits) keeps every token, so NaN rows pick what the full computation
-    picks too."""
-    n, v = logits.shape
+    picks too. On CPU the C++ kernel ``megarl._keyed_gumbel`` does the same in one pass per row
+    (scoring the PROBE highest first, then tightening the bound as it goes); calls with a NaN row
+    take the torch path."""
+    n = logits.shape[0]
     dev, dtype = logits.device, logits.dtype
     t = _as_col(temperature, n, dtype, dev)[:, 0]
     hot = t != 0
