@@ -128,14 +128,7 @@ class Engine:
 
     def draft_target(self) -> DraftTarget:
         """What a learned drafter needs of this engine's target (megarl/engine/speculation.py)."""
-        m = self.model
-        matmul = sum(p.numel() for p in m.parameters())  # a tied head is counted once, as the embedding
-        if not m.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
-            matmul -= m.model.embed_tokens.weight.numel()
-        return DraftTarget(args=m.args, embed_weight=lambda: m.model.embed_tokens.weight.detach(),
-                           head_weight=lambda: m.lm_head_weight.detach(), logits=self._head_logits,
-                           matmul_params=matmul, seed=self.seed,
-                           dtype=self.dtype, sample_dtype=self.sample_dtype, device=self.device, tp_size=self.tp_size)
+        return DraftTarget.of(self)
 
     def reset_stats(self) -> None:
         """``forwards``: batched forward calls; ``target_forwards``: forwards summed over requests
@@ -299,11 +292,7 @@ class Engine:
             n_rows.append(len(d) + 1)
             off += n
         h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
-        with self._linears():
-            if self.pad_single_row and h.shape[0] == 1:  # the LM head with its twin row too (see _forward)
-                logits = self.model.logits(h.expand(2, -1))[:1].to(self.sample_dtype)
-            else:
-                logits = self.model.logits(h).to(self.sample_dtype)
+        logits = self.head_logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
         row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
         per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
@@ -346,8 +335,11 @@ class Engine:
         with self._linears():
             return self.model.hidden_states(ids_t, positions, attn)[0, :sum(n_new)]
 
-    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head as the engine runs it: packed linears, a lone row with its twin (``_forward``)."""
         with self._linears():
+            if self.pad_single_row and hidden.shape[0] == 1:
+                return self.model.logits(hidden.expand(2, -1))[:1]
             return self.model.logits(hidden)
 
     def _linears(self):  # the context the target's forwards run in: its packed linears, if any

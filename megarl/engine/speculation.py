@@ -40,6 +40,18 @@ class DraftTarget:
     tp_size: int
     """Tensor-parallel size of the target (a drafter reads the full embedding: 1 only)."""
 
+    @classmethod
+    def of(cls, engine) -> "DraftTarget":
+        """The target of an ``Engine`` (its current weights, read at call time)."""
+        m = engine.model
+        matmul = sum(p.numel() for p in m.parameters())  # a tied head is counted once, as the embedding
+        if not m.args.tie_word_embeddings:  # an untied embedding is a lookup, not a matmul
+            matmul -= m.model.embed_tokens.weight.numel()
+        return cls(args=m.args, embed_weight=lambda: m.model.embed_tokens.weight.detach(),
+                   head_weight=lambda: m.lm_head_weight.detach(), logits=engine.head_logits, matmul_params=matmul,
+                   seed=engine.seed, dtype=engine.dtype, sample_dtype=engine.sample_dtype, device=engine.device,
+                   tp_size=engine.tp_size)
+
 
 class Speculation(Protocol):
     """The hooks the engine calls, in this order within ``generate``: ``reset_stats`` (per run of
