@@ -39,14 +39,14 @@ from megarl.engine.paged_kv_cache import PagedKVCache
 from megarl.engine.requests import EngineConfig, Request, Result
 from megarl.engine.sampler import SamplingParams, token_stats
 from megarl.engine.speculation import DraftTarget, Speculation
+from megarl.engine.static_step import StaticStep
 from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models import packed_linear
 from megarl.models.llama import CausalLM
 from megarl.engine.verify import verify
 from megarl.utils.cpu_alloc import keep_freed_memory
 
-# Uncoupled control drafts (``Engine.pregenerate(coupled=False)``) use the noise of a step key
-# that no real step reaches.
+# Uncoupled control drafts (``pregenerate(coupled=False)``) use a step key no real step reaches.
 _UNCOUPLED_STEP_BIT = 1 << 31
 
 
@@ -124,6 +124,7 @@ class Engine:
         # A learned drafter (spec.drafter) reads the target's hidden states: set per generate call,
         # False keeps the forward path exactly the plain one.
         self._hidden_hook = False
+        self.static = StaticStep(self) if cfg.static_shapes else None
         self.reset_stats()
 
     def draft_target(self) -> DraftTarget:
@@ -280,6 +281,9 @@ class Engine:
         """Device work for one batch: one forward over every row's pending + draft tokens through
         the cache, then the target's own sample at the last pending position and at every draft
         position, compared with the drafts (megarl.engine.verify)."""
+        self.stats["forwards"] += 1
+        if self.static is not None:  # the same work over fixed shapes (EngineConfig.static_shapes)
+            return _Verified(*self.static.run(batch, step))
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         n_new = [len(x) for x in inputs]
         dev = self.device
@@ -303,7 +307,6 @@ class Engine:
             per_req([r.uid for r in reqs], torch.int64), per_req([r.sample_idx for r in reqs], torch.int64),
             per_req([len(s.tokens) for s in batch.seqs], torch.int64), self.seed, step)
         logprobs, entropies = token_stats(logits, temp.repeat_interleave(torch.tensor(n_rows, device=dev)), tokens)
-        self.stats["forwards"] += 1
         out = _Verified([], [], [], n_accept.tolist())
         if self._hidden_hook:  # the accepted rows' hidden states, for a learned drafter
             self.spec.on_verify(reqs, h, tokens, n_rows, out.n_accept, [len(s.tokens) for s in batch.seqs])

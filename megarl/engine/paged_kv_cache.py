@@ -238,7 +238,10 @@ class PagedKVCache:
         num_blocks = num_blocks or max_seqs * blocks_for(max_seq_len, block_size)
         self.table = BlockTable(max_seqs, max_seq_len, block_size, num_blocks)
         self.block_size = block_size
-        shape = (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
+        # One block more than the table hands out: the scratch block, where a fixed-shape step
+        # (static_step.py) writes the k/v of its padding tokens.
+        self.scratch_block = num_blocks
+        shape = (n_layers, num_blocks + 1, n_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -250,10 +253,14 @@ class PagedKVCache:
         """As ``KVCache.batch``: reserve positions (blocks) and build the attention backend for
         one forward over the packed new tokens; returns it and their positions [1, N]."""
         starts = self.table.reserve(rows, n_new)
-        self._copy(self.table.pending_copies)
-        self.table.pending_copies = []
+        self.copy_pending()
         attn = PagedCacheAttention(self, rows, starts, n_new)
         return attn, attn.positions
+
+    def copy_pending(self) -> None:
+        """Run the copy-on-write block copies that ``table.reserve`` queued."""
+        self._copy(self.table.pending_copies)
+        self.table.pending_copies = []
 
     def share_prefix(self, src: int, dst: list[int], length: int) -> None:
         """The samples ``dst`` of a GRPO group get the prompt prefix cached in ``src``: full

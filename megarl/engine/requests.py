@@ -38,6 +38,10 @@ class EngineConfig:
     """CPU, float32/bfloat16: run the model's linears through oneDNN on weights reordered once
     (megarl/models/packed_linear.py): 1.3-3x faster matmuls on this project's CPUs, a row's bits
     the same for any row count from 2 up, one more copy of the weights in memory. False: ``F.linear``."""
+    static_shapes: bool = False
+    """Run decode/verify steps over fixed shapes (rows and tokens padded to buckets; buffers made
+    once per bucket, megarl/engine/static_step.py): the step a CUDA graph can capture. Needs
+    ``kv_cache: paged``; not with a learned drafter yet. Same tokens as the default step."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -1,0 +1,176 @@
+"""The engine's decode/verify step over fixed shapes: what a CUDA graph captures (issue 25 item 3).
+
+``Engine.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
+draft lengths, keys read), which a CUDA graph cannot replay. Here a step of ``n`` rows with at
+most ``k`` drafts runs in a bucket: ``B`` rows (the smallest of ``BATCH_BUCKETS`` >= n, capped at
+``max_batch_size``) x ``T`` tokens (the smallest of ``TOKEN_BUCKETS`` >= k + 1), through buffers
+made once per bucket and written in place:
+
+- ``ids`` / positions [B, T]: row b's pending token and drafts at positions ``q_start[b] + t``,
+  padded with token 0 past ``n_q[b]`` tokens; padded rows have ``n_q = 0``;
+- ``block_tables`` [B, max_blocks]: the paged cache's table rows; entries past a row's blocks, and
+  every entry of a padded row, point at the cache's scratch block, so that the k/v of padded tokens
+  are written there and never into a block another request owns;
+- per row sampling keys and ``draft_next`` [B * T] (-1 past a row's drafts: verification stops
+  there, so padded tokens are never accepted).
+
+The attention reads every row's ``max_blocks`` blocks with a causal mask by position (CPU: the
+gather + ``grouped_attention`` math of the paged cache; CUDA: its Triton kernel), the LM head and
+verification run on all B * T rows, and one copy brings tokens, acceptance counts, logprobs and
+entropies back. Host work (reserving blocks, copy-on-write) happens before the device work.
+
+What is tested (tests/engine/test_static_step.py, CPU, graphs off): the same tokens and logprobs
+as the engine's own step, with and without drafts, in rows padded to buckets. Capturing the step
+into CUDA graphs needs the device-side parts to avoid host syncs (the torch sampler and
+verification's input checks sync); that is left for a GPU session.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from megarl.engine.kv_cache import grouped_attention
+from megarl.engine.paged_attention import gather_pages, page_index
+from megarl.engine.paged_kv_cache import PagedKVCache
+from megarl.engine.sampler import token_stats
+from megarl.engine.verify import verify
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 2, 3, 5, 9, 17)
+
+
+def bucket(n: int, buckets: tuple[int, ...], cap: int) -> int:
+    """The smallest bucket >= n (n itself past the largest), at most ``cap`` (and >= n)."""
+    i = bisect.bisect_left(buckets, n)
+    return max(n, min(buckets[i] if i < len(buckets) else n, cap))
+
+
+class _Buffers:
+    """The device tensors of one (B, T) bucket, allocated once."""
+
+    def __init__(self, b: int, t: int, max_blocks: int, scratch: int, sample_dtype, dev):
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.b, self.t = b, t
+        self.ids = torch.zeros(b, t, **i64)
+        self.q_start = torch.zeros(b, **i64)
+        self.n_q = torch.zeros(b, **i64)
+        self.block_tables = torch.full((b, max_blocks), scratch, **i64)
+        self.temperature = torch.zeros(b, dtype=sample_dtype, device=dev)
+        self.top_k = torch.zeros(b, **i64)
+        self.top_p = torch.ones(b, dtype=sample_dtype, device=dev)
+        self.uid = torch.zeros(b, **i64)
+        self.sample_idx = torch.zeros(b, **i64)
+        self.position0 = torch.zeros(b, **i64)
+        self.draft_next = torch.full((b * t,), -1, **i64)
+        self.row_start = torch.arange(0, b * t + 1, t, **i64)
+
+
+class StaticStep:
+    """Runs ``Engine.run``'s work for a batch through fixed-shape buffers (see the module)."""
+
+    def __init__(self, engine):
+        if not isinstance(engine.cache, PagedKVCache):
+            raise ValueError("EngineConfig.static_shapes needs kv_cache='paged' (block tables are what a "
+                             "fixed-shape step indexes); set kv_cache: paged")
+        self.engine = engine
+        self.cache: PagedKVCache = engine.cache
+        self.max_blocks = self.cache.table.max_blocks_per_seq
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+
+    def run(self, batch, step: int):
+        """``Engine.run`` for ``batch``: per row the tokens the target sampled (accepted drafts,
+        then its own), their logprobs and entropies, and the accepted draft counts."""
+        if self.engine._hidden_hook:
+            raise ValueError("EngineConfig.static_shapes does not hand hidden states to a learned drafter yet; "
+                             "turn spec.drafter off or static_shapes off")
+        buf = self.fill(batch)
+        out = [x.cpu() for x in self.device_step(buf, step)]  # the one copy back
+        tokens, n_accept, logprobs, entropies = (x.tolist() for x in out)
+        res = ([], [], [], n_accept[:len(batch.seqs)])
+        for i, n in enumerate(res[3]):
+            lo = i * buf.t
+            for dst, src in zip(res[:3], (tokens, logprobs, entropies)):
+                dst.append(src[lo:lo + n + 1])
+        return res
+
+    def buffers(self, n_rows: int, n_tokens: int) -> _Buffers:
+        e = self.engine
+        key = (bucket(n_rows, BATCH_BUCKETS, e.cfg.max_batch_size), bucket(n_tokens, TOKEN_BUCKETS, n_tokens))
+        if key not in self._buffers:
+            self._buffers[key] = _Buffers(*key, self.max_blocks, self.cache.scratch_block, e.sample_dtype, e.device)
+        return self._buffers[key]
+
+    def fill(self, batch) -> _Buffers:
+        """Host work, then the buffers written for ``batch`` (an engine ``_Batch``)."""
+        inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
+        buf = self.buffers(len(inputs), max(len(x) for x in inputs))
+        n, b, t = len(inputs), buf.b, buf.t
+        rows = [s.slot for s in batch.seqs]
+        starts = self.cache.table.reserve(rows, [len(x) for x in inputs])
+        self.cache.copy_pending()
+        ids = torch.zeros(b, t, dtype=torch.int64)
+        draft_next = torch.full((b, t), -1, dtype=torch.int64)
+        for i, (x, d) in enumerate(zip(inputs, batch.drafts)):
+            ids[i, :len(x)] = torch.tensor(x)
+            # row j of request i verifies the draft token after it (its pending token is row 0's input)
+            draft_next[i, len(x) - 1 - len(d):len(x) - 1] = torch.tensor(d, dtype=torch.int64)
+        tables = torch.full((b, self.max_blocks), self.cache.scratch_block, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            blocks = self.cache.table.blocks[r]
+            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        reqs = [s.req for s in batch.seqs]
+
+        def per_row(vals, dtype, pad):
+            return torch.tensor(list(vals) + [pad] * (b - n), dtype=dtype)
+
+        for dst, src in ((buf.ids, ids), (buf.draft_next, draft_next.reshape(-1)), (buf.block_tables, tables),
+                         (buf.q_start, per_row(starts, torch.int64, 0)),
+                         (buf.n_q, per_row([len(x) for x in inputs], torch.int64, 0)),
+                         (buf.temperature, per_row([r.params.temperature for r in reqs], buf.temperature.dtype, 1.0)),
+                         (buf.top_k, per_row([r.params.top_k for r in reqs], torch.int64, 0)),
+                         (buf.top_p, per_row([r.params.top_p for r in reqs], buf.top_p.dtype, 1.0)),
+                         (buf.uid, per_row([r.uid for r in reqs], torch.int64, 0)),
+                         (buf.sample_idx, per_row([r.sample_idx for r in reqs], torch.int64, 0)),
+                         (buf.position0, per_row([len(s.tokens) for s in batch.seqs], torch.int64, 0))):
+            dst.copy_(src, non_blocking=True)
+        return buf
+
+    def device_step(self, buf: _Buffers, step: int):
+        """The fixed-shape device work: forward, LM head, verification, statistics."""
+        e, (b, t) = self.engine, (buf.b, buf.t)
+        pos = buf.q_start[:, None] + torch.arange(t, device=e.device)  # [B, T]
+        attn = _StaticAttention(self.cache, buf, pos)
+        with e._linears():
+            hidden = e.model.hidden_states(buf.ids.view(1, b * t), pos.view(1, b * t), attn)[0]
+        logits = e.head_logits(hidden).to(e.sample_dtype)
+        # Verification's row j of request b samples at response position position0[b] + j; rows of
+        # the drafts (j >= 1) are j tokens after the pending one.
+        tokens, n_accept = verify(logits, buf.draft_next, buf.row_start, buf.temperature, buf.top_k, buf.top_p,
+                                  buf.uid, buf.sample_idx, buf.position0, e.seed, step)
+        logprobs, entropies = token_stats(logits, buf.temperature.repeat_interleave(t), tokens)
+        return tokens, n_accept, logprobs, entropies
+
+
+class _StaticAttention:
+    """``attn(layer_idx, q, k, v)`` over the bucket's [B, T] tokens: writes every token's k/v
+    (padded ones into the scratch block), then attends causally over each row's ``max_blocks``."""
+
+    def __init__(self, cache: PagedKVCache, buf: _Buffers, pos: torch.Tensor):
+        bs = cache.block_size
+        self.cache, self.buf, self.shape = cache, buf, (buf.b, buf.t)
+        valid = torch.arange(buf.t, device=pos.device)[None, :] < buf.n_q[:, None]
+        blk = buf.block_tables.gather(1, (pos // bs).clamp(max=buf.block_tables.shape[1] - 1))
+        self.dst_blocks = torch.where(valid, blk, cache.scratch_block).reshape(-1)
+        self.dst_off = (pos % bs).reshape(-1)
+        self.n_keys = buf.block_tables.shape[1] * bs
+        self.masked = torch.arange(self.n_keys, device=pos.device)[None, None, :] > pos[:, :, None]
+        self.index = page_index(buf.block_tables, cache.k.shape[2])
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        ck[self.dst_blocks, :, self.dst_off] = k[0]
+        cv[self.dst_blocks, :, self.dst_off] = v[0]
+        b, t = self.shape
+        keys, values = (gather_pages(c, self.buf.block_tables, self.n_keys, self.index) for c in (ck, cv))
+        return grouped_attention(q.view(b, t, *q.shape[2:]), keys, values, self.masked).reshape(q.shape)
