@@ -14,8 +14,8 @@ made once per bucket and written in place:
 - per row sampling keys and ``draft_next`` [B * T] (-1 past a row's drafts: verification stops
   there, so padded tokens are never accepted).
 
-The attention reads every row's ``max_blocks`` blocks with a causal mask by position (CPU: the
-gather + ``grouped_attention`` math of the paged cache; CUDA: its Triton kernel), the LM head and
+The attention reads each row's blocks with a causal mask by position (CPU: the gather +
+``grouped_attention`` math of the paged cache over all ``max_blocks``; CUDA: its Triton kernel), the LM head and
 verification run on all B * T rows, and one copy brings tokens, acceptance counts, logprobs and
 entropies back. Host work (reserving blocks, copy-on-write) happens before the device work.
 
@@ -32,7 +32,7 @@ import torch
 
 from megarl.engine.kv_cache import grouped_attention
 from megarl.engine.paged_attention import gather_pages, page_index
-from megarl.engine.paged_kv_cache import PagedKVCache
+from megarl.engine.paged_kv_cache import KERNEL_MAX_QUERIES, PagedKVCache
 from megarl.engine.sampler import token_stats
 from megarl.engine.verify import verify
 
@@ -164,13 +164,21 @@ class _StaticAttention:
         self.dst_blocks = torch.where(valid, blk, cache.scratch_block).reshape(-1)
         self.dst_off = (pos % bs).reshape(-1)
         self.n_keys = buf.block_tables.shape[1] * bs
-        self.masked = torch.arange(self.n_keys, device=pos.device)[None, None, :] > pos[:, :, None]
-        self.index = page_index(buf.block_tables, cache.k.shape[2])
+        # CUDA: the paged cache's Triton kernel, which reads each row's blocks up to its own length
+        self.use_kernel = pos.is_cuda and buf.t <= KERNEL_MAX_QUERIES and bs >= 16
+        if not self.use_kernel:
+            self.masked = torch.arange(self.n_keys, device=pos.device)[None, None, :] > pos[:, :, None]
+            self.index = page_index(buf.block_tables, cache.k.shape[2])
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
         ck[self.dst_blocks, :, self.dst_off] = k[0]
         cv[self.dst_blocks, :, self.dst_off] = v[0]
         b, t = self.shape
+        qb = q.view(b, t, *q.shape[2:])
+        if self.use_kernel:
+            from megarl.engine.paged_attention_triton import paged_attention_triton
+            return paged_attention_triton(qb, ck, cv, self.buf.block_tables, self.buf.q_start,
+                                          self.buf.n_q).reshape(q.shape)
         keys, values = (gather_pages(c, self.buf.block_tables, self.n_keys, self.index) for c in (ck, cv))
-        return grouped_attention(q.view(b, t, *q.shape[2:]), keys, values, self.masked).reshape(q.shape)
+        return grouped_attention(qb, keys, values, self.masked).reshape(q.shape)

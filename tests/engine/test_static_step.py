@@ -54,3 +54,12 @@ def test_static_shapes_with_drafts_padded_to_token_buckets():
 def test_static_shapes_needs_the_paged_cache():
     with pytest.raises(ValueError, match="kv_cache='paged'"):
         engine(static_shapes=True)
+
+
+@pytest.mark.gpu
+def test_static_shapes_on_cuda_give_the_cpu_engines_tokens():
+    """On CUDA (Triton paged attention and verification, block size 16): the CPU engine's tokens."""
+    reqs = mixed_requests(12)
+    ref = engine(max_batch_size=5, kv_cache="paged", kv_block_size=16).generate(reqs, step=3)
+    eng = engine(max_batch_size=5, kv_cache="paged", kv_block_size=16, static_shapes=True, device="cuda")
+    assert [key(r) for r in eng.generate(reqs, step=3)] == [key(r) for r in ref]
