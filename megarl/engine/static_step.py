@@ -30,9 +30,8 @@ import bisect
 
 import torch
 
-from megarl.engine.kv_cache import grouped_attention
-from megarl.engine.paged_attention import gather_pages, page_index
-from megarl.engine.paged_kv_cache import KERNEL_MAX_QUERIES, PagedKVCache
+from megarl.engine.paged_attention import page_index
+from megarl.engine.paged_kv_cache import KERNEL_MAX_QUERIES, PagedCacheAttention, PagedKVCache
 from megarl.engine.sampler import token_stats
 from megarl.engine.verify import verify
 
@@ -96,7 +95,7 @@ class StaticStep:
 
     def buffers(self, n_rows: int, n_tokens: int) -> _Buffers:
         e = self.engine
-        key = (bucket(n_rows, BATCH_BUCKETS, e.cfg.max_batch_size), bucket(n_tokens, TOKEN_BUCKETS, n_tokens))
+        key = (bucket(n_rows, BATCH_BUCKETS, e.cfg.max_batch_size), bucket(n_tokens, TOKEN_BUCKETS, TOKEN_BUCKETS[-1]))
         if key not in self._buffers:
             self._buffers[key] = _Buffers(*key, self.max_blocks, self.cache.scratch_block, e.sample_dtype, e.device)
         return self._buffers[key]
@@ -152,33 +151,22 @@ class StaticStep:
         return tokens, n_accept, logprobs, entropies
 
 
-class _StaticAttention:
-    """``attn(layer_idx, q, k, v)`` over the bucket's [B, T] tokens: writes every token's k/v
-    (padded ones into the scratch block), then attends causally over each row's ``max_blocks``."""
+class _StaticAttention(PagedCacheAttention):
+    """The paged cache's attention (its ``__call__``: write the new k/v, then the Triton kernel on
+    CUDA or gather + ``grouped_attention``) over the bucket's dense [B, T] tokens, set up from the
+    device buffers instead of host lists: padded tokens write into the scratch block, and the CPU
+    path reads every row's ``max_blocks``."""
 
-    def __init__(self, cache: PagedKVCache, buf: _Buffers, pos: torch.Tensor):
-        bs = cache.block_size
-        self.cache, self.buf, self.shape = cache, buf, (buf.b, buf.t)
-        valid = torch.arange(buf.t, device=pos.device)[None, :] < buf.n_q[:, None]
+    def __init__(self, cache: PagedKVCache, buf: _Buffers, pos: torch.Tensor):  # not super(): it takes host lists
+        bs, dev = cache.block_size, pos.device
+        self.cache, self.shape, self.dense = cache, (buf.b, buf.t), True
+        self.block_tables, self.q_start, self.n_q = buf.block_tables, buf.q_start, buf.n_q
+        valid = torch.arange(buf.t, device=dev)[None, :] < buf.n_q[:, None]
         blk = buf.block_tables.gather(1, (pos // bs).clamp(max=buf.block_tables.shape[1] - 1))
         self.dst_blocks = torch.where(valid, blk, cache.scratch_block).reshape(-1)
         self.dst_off = (pos % bs).reshape(-1)
         self.n_keys = buf.block_tables.shape[1] * bs
-        # CUDA: the paged cache's Triton kernel, which reads each row's blocks up to its own length
-        self.use_kernel = pos.is_cuda and buf.t <= KERNEL_MAX_QUERIES and bs >= 16
+        self.use_kernel = dev.type == "cuda" and buf.t <= KERNEL_MAX_QUERIES and bs >= 16
         if not self.use_kernel:
-            self.masked = torch.arange(self.n_keys, device=pos.device)[None, None, :] > pos[:, :, None]
-            self.index = page_index(buf.block_tables, cache.k.shape[2])
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ck, cv = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        ck[self.dst_blocks, :, self.dst_off] = k[0]
-        cv[self.dst_blocks, :, self.dst_off] = v[0]
-        b, t = self.shape
-        qb = q.view(b, t, *q.shape[2:])
-        if self.use_kernel:
-            from megarl.engine.paged_attention_triton import paged_attention_triton
-            return paged_attention_triton(qb, ck, cv, self.buf.block_tables, self.buf.q_start,
-                                          self.buf.n_q).reshape(q.shape)
-        keys, values = (gather_pages(c, self.buf.block_tables, self.n_keys, self.index) for c in (ck, cv))
-        return grouped_attention(qb, keys, values, self.masked).reshape(q.shape)
+            self.masked = torch.arange(self.n_keys, device=dev)[None, None, :] > pos[:, :, None]
+            self.page_index = page_index(buf.block_tables, cache.k.shape[2])

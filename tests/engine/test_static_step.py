@@ -49,6 +49,7 @@ def test_static_shapes_with_drafts_padded_to_token_buckets():
     m = eng.spec.metrics()
     assert 0 < m["spec/accepted"] < m["spec/drafted"]  # drafts were partly accepted
     assert any(t > 1 for _, t in eng.static._buffers)  # verify rows ran in token buckets
+    assert all(t in TOKEN_BUCKETS for _, t in eng.static._buffers)  # drafts cut by a row's room included
 
 
 def test_static_shapes_needs_the_paged_cache():
