@@ -107,7 +107,9 @@ def test_rows_report_and_at_most_8_files(dry):
     _, grpo = read_rows(out / "grpo_spec.jsonl")
     assert grpo["comparison"]["steps_compared"] == 2 and "spec.enabled=true" in grpo["overrides"]
     assert grpo["nondeterministic_ops"] == [] and "peak_gib" in grpo  # (None on a CPU)
-    _, tests = read_rows(out / "pytest.jsonl")
+    test_rows, tests = read_rows(out / "pytest.jsonl")
+    assert [r["row"] for r in test_rows] == [f"file {f}" for f in tests["files"]]
+    assert all("peak_gib" in r for r in test_rows)  # (None on a CPU: the file's pytest never used CUDA)
     assert "tests/test_gpu.py" in tests["files"] and tests["counts"]["skipped"] >= 1  # no CUDA here
 
 

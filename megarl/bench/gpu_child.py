@@ -1,5 +1,5 @@
 """Runs a module as ``__main__`` the way the GPU runbook needs its child processes run:
-``python -m megarl.bench.gpu_child INFO_JSON MODULE ARGS...``.
+``python -m megarl.bench.gpu_child [--strict] INFO_JSON MODULE ARGS...``.
 
 - At exit it writes ``INFO_JSON``: the process's peak GPU memory (``torch.cuda.max_memory_allocated``,
   None if it never used CUDA) and the ops that have no deterministic CUDA kernel.
@@ -7,6 +7,7 @@
   ``warn_only``: an op without a deterministic kernel then warns instead of raising, and is
   recorded, so one such op costs the run its bitwise repeatability (said in the report) rather
   than the whole part (a rerun with ``deterministic=false`` would cost its time limit twice).
+  ``--strict`` leaves it as it is (the gpu-marked tests: a test may expect the error).
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from megarl.utils.fs import atomic_write_text
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
-        raise SystemExit("usage: python -m megarl.bench.gpu_child INFO_JSON MODULE [ARGS...]")
-    info_path, module = sys.argv[1], sys.argv[2]
+    args = sys.argv[1:]
+    strict = bool(args) and args[0] == "--strict"
+    args = args[1:] if strict else args
+    if len(args) < 2:
+        raise SystemExit("usage: python -m megarl.bench.gpu_child [--strict] INFO_JSON MODULE [ARGS...]")
+    info_path, module, rest = args[0], args[1], args[2:]
     import torch
 
     nondeterministic: list[str] = []
@@ -32,7 +36,8 @@ def main() -> None:
     def deterministic(mode: bool, *, warn_only: bool = False) -> None:
         real(mode, warn_only=True if mode else warn_only)
 
-    torch.use_deterministic_algorithms = deterministic
+    if not strict:
+        torch.use_deterministic_algorithms = deterministic
     show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -48,7 +53,7 @@ def main() -> None:
                                                  "nondeterministic_ops": nondeterministic}) + "\n")
 
     atexit.register(write_info)
-    sys.argv = [module, *sys.argv[3:]]
+    sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

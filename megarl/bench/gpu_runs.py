@@ -75,23 +75,28 @@ def pytest_part(work: Path, rows: Rows, shapes: PytestShapes, dry_run: bool) -> 
     """One pytest process per file, a row after each: a part cut at its time limit keeps the
     files already run."""
     files = list(shapes.files) or gpu_test_files()
-    base = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    base = ["-m", "gpu", "-p", "no:cacheprovider", "-q"]
     try:  # a hanging test ends as a failure of that test, where the plugin is installed
         import pytest_timeout  # noqa: F401
 
         base += ["--timeout", str(shapes.test_timeout_s)]
     except ImportError:
         pass
-    out: dict = {"command": " ".join(base) + " FILE", "files": files, "runs": [], "tests": [], "seconds": 0.0}
+    out: dict = {"command": "python -m pytest " + " ".join(base) + " FILE", "files": files, "runs": [], "tests": [],
+                 "seconds": 0.0}
     for i, f in enumerate(files):
-        xml = work / f"pytest-gpu-{i}.xml"
+        xml, info = work / f"pytest-gpu-{i}.xml", work / f"pytest-gpu-{i}.child.json"
         xml.unlink(missing_ok=True)
+        info.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        proc = subprocess.run([*base, f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True,
-                              text=True)
+        # under gpu_child --strict: the file's peak GPU memory, tests otherwise untouched
+        proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_child", "--strict", str(info), "pytest", *base,
+                               f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True, text=True)
         dt = time.perf_counter() - t0
         out["seconds"] += dt
-        run = {"file": f, "rc": proc.returncode, "seconds": dt, "output_tail": (proc.stdout + proc.stderr)[-1500:]}
+        peak = json.loads(info.read_text()).get("peak_gib") if info.is_file() else None
+        run = {"file": f, "rc": proc.returncode, "seconds": dt, "peak_gib": peak,
+               "output_tail": (proc.stdout + proc.stderr)[-1500:]}
         out["runs"].append(run)
         if xml.is_file():
             tests = _junit(xml)
