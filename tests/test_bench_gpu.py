@@ -273,4 +273,5 @@ def test_child_records_nondeterministic_ops_instead_of_failing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "went on" in proc.stdout
     got = json.loads(info.read_text())
-    assert got["peak_gib"] is None and any("put_ does not have a deterministic" in op for op in got["nondeterministic_ops"])
+    assert got["peak_gib"] is None
+    assert any("put_ does not have a deterministic" in op for op in got["nondeterministic_ops"])

@@ -64,7 +64,8 @@ PARTS = {
     "grpo": Part("megarl.bench.gpu_runs", "grpo", "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
     "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec",
                       "the same run with speculation + bubble drafts: rollout speedup, exactness"),
-    "identity": Part("megarl.bench.gpu_identity", "identity", "token identity, speculation on vs off, per draft source"),
+    "identity": Part("megarl.bench.gpu_identity", "identity",
+                     "token identity, speculation on vs off, per draft source"),
     # self-test parts (tests/test_bench_gpu.py): a failing part, a hanging one, one writing rows forever
     "fail": Part("megarl.bench.gpu_parts", "fail", "self-test: raises"),
     "hang": Part("megarl.bench.gpu_parts", "hang", "self-test: sleeps past its limit"),

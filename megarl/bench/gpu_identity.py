@@ -174,8 +174,8 @@ def identity_part(s: IdentitySettings, rows: Rows) -> dict:
             ref.reset_stats()
             ref_out, ref_s = timed(lambda: ref.generate(reqs, step))
             ref_tokens = [r.tokens for r in ref_out]
-            rows.add(f"{kv} step {step} reference", kv=kv, step=step, variant="reference", tokens=sum(map(len, ref_tokens)),
-                     seconds=ref_s)
+            rows.add(f"{kv} step {step} reference", kv=kv, step=step, variant="reference",
+                     tokens=sum(map(len, ref_tokens)), seconds=ref_s)
             n_tok = sum(map(len, ref_tokens))
             ent = [e for r in ref_out for e in r.entropies]
             out.setdefault("reference", {})[f"{kv}/step{step}"] = {

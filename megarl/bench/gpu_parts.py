@@ -164,7 +164,8 @@ def env_part(shapes: EnvShapes, rows: Rows, work: Path) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out["ceilings"] = {}
     for name, fn in (("allreduce", lambda: allreduce_one_rank(device, shapes, work)),
-                     ("copy", lambda: copy_ceiling(device, shapes)), ("matmul", lambda: matmul_ceiling(device, shapes))):
+                     ("copy", lambda: copy_ceiling(device, shapes)),
+                     ("matmul", lambda: matmul_ceiling(device, shapes))):
         try:
             figures = fn()
         except Exception as e:  # noqa: BLE001 - one failed measurement is recorded, the others still run

@@ -4,7 +4,8 @@ shapes each part measures, every one settable from the command line.
 ``full`` measures at the shapes the design's targets name; ``quick`` keeps the same parts and
 targets at smaller shapes, with limits that sum to what one command of 420 s can hold (imports,
 the wheel install and the report included; docs/gpu/README.md gives the estimate per part).
-``--dry-run`` keeps a profile's order and limits' roles but measures tiny models on the CPU.
+``--dry-run`` keeps a profile's parts and order but measures tiny models on the CPU, each part
+limited to ``DRY_BUDGET_S``.
 
 Shapes: ``--set PART.FIELD=VALUE`` (value parsed as YAML: ``--set engine.batch_sizes=[1,8]``),
 checked against the dataclasses below before anything runs (one ``megarl: error:`` line naming
@@ -146,7 +147,7 @@ PROFILE_SHAPES = {
     "quick": {"env": {"copy_mib": 1024, "iters": 5, "allreduce_mib": 128},
               "pytest": {"test_timeout_s": 60},
               "engine": {"batch_sizes": [1, 64], "prompt_len": 64, "new_tokens": 64, "repeats": 1, "verify": True},
-              "grpo": {"rl_steps": 4, "sft_steps": 30, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 64},
+              "grpo": {"rl_steps": 4, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 64},
               "identity": {"prompts": 8, "group_size": 4, "max_new_tokens": 64, "max_batch_size": 32}},
 }
 DRY_SHAPES = {  # tiny shapes on the CPU: every code path, seconds per part

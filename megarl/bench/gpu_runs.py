@@ -169,7 +169,8 @@ def engine_part(rows: Rows, shapes: EngineShapes, dry_run: bool) -> dict:
                     "verify_k4_b16": {}}
     rows.add("models built", weights_bytes=report["weights_bytes"])
     for batch in shape.batch_sizes:  # the targets' batches (1, 64) first: a cut part keeps them
-        row = {"batch": batch, "hf_tok_s": _bench_hf(hf, model.args, shape, batch), **_bound(model, shape, batch, elsize)}
+        row = {"batch": batch, "hf_tok_s": _bench_hf(hf, model.args, shape, batch),
+               **_bound(model, shape, batch, elsize)}
         rows.add(f"batch {batch} generate", **row)
         for kv in shape.kv_caches:
             row[kv] = _bench_engine(model, sd, shape, kv, batch)
@@ -268,7 +269,8 @@ def run_grpo(name: str, work: Path, spec: bool, dry_run: bool, shapes: GrpoShape
     info = work / f"{name}.child.json"
     info.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "megarl.bench.gpu_child", str(info), "megarl.cli", "train", "--config",
-           str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run_dir)] + [x for o in overrides for x in ("--set", o)]
+           str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run_dir),
+           *[x for o in overrides for x in ("--set", o)]]
     t0 = time.perf_counter()
     log_path = work / f"{name}.train.log"
     rc = _train(cmd, run_dir, log_path, rows)
