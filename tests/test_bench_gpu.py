@@ -237,16 +237,33 @@ def test_quick_profile_fits_one_command():
     assert sum(BUDGETS_S["full"].values()) <= DEADLINE_S["full"]
 
 
+def _probe_wheel(folder: Path, name: str) -> None:
+    """A minimal pure-Python wheel of one module ``name``."""
+    import zipfile
+
+    folder.mkdir(parents=True)
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}.py", "VALUE = 7\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", f"{name}.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+
+
 def test_run_all_sets_shapes_and_turns_compile_off(tmp_path):
-    """The runbook script end to end on CPU (env part only): shapes from the command line reach
-    the part, and the parts run with torch.compile off, so Megatron's fused kernels run eager."""
+    """The runbook script end to end on CPU (env part only): a wheel of a module the interpreter
+    lacks is installed from the wheels folder, shapes from the command line reach the part, and
+    the parts run with torch.compile off, so Megatron's fused kernels run eager."""
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PARTS": "env", "WHEELS": str(tmp_path / "none"), "PYTHON": sys.executable,
-           "MEGARL_GPU_WORK": str(tmp_path / "w"), "OMP_NUM_THREADS": "1"}
+    _probe_wheel(tmp_path / "wheels" / "ifmissing", "megarl_probe_mod")
+    env = {**os.environ, "OUT": str(out), "PARTS": "env", "WHEELS": str(tmp_path / "wheels"), "PYTHON": sys.executable,
+           "MEGARL_GPU_WORK": str(tmp_path / "w"), "MEGARL_SITE": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
     env.pop("TORCHDYNAMO_DISABLE", None)
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run_all.sh"), "--dry-run", "--set",
                            "env.matmul_n=48"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "site" / "megarl_probe_mod.py").is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no megatron-core wheel" in proc.stdout  # said, and the parts still ran
     rows, result = read_rows(out / "env.jsonl")
     assert result["torchdynamo_disable"] == "1" and result["ceilings"]["matmul_n"] == 48
     assert [r["row"] for r in rows] == ["versions", "allreduce", "copy", "matmul"]

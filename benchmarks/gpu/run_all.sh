@@ -7,7 +7,8 @@
 # Environment: OUT (required: where PART.jsonl, summary.json and report.md go), PROFILE (quick;
 # full: the targets' shapes, ~19 min), PARTS (default: all, in the runbook's order), RERUN (an
 # earlier run's out folder, copied into the checkout), DEADLINE (seconds for all parts; default per
-# profile), WHEELS (default .whl: what benchmarks/gpu/fetch_wheels.sh fetched). Arguments go to
+# profile), WHEELS (default .whl: what benchmarks/gpu/fetch_wheels.sh fetched), MEGARL_SITE (where
+# they are installed; default /tmp/megarl-site). Arguments go to
 # `python -m megarl.bench.gpu`.
 # Exit status: 0 when every part succeeded, 1 when one failed (the rest still ran), 2 on bad input.
 set -u
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/../.." || exit 2
 : "${OUT:?set OUT to the folder for the figures}"
 WHEELS="${WHEELS:-.whl}"
 PY="${PYTHON:-python3}"
-SITE=/tmp/megarl-site
+SITE="${MEGARL_SITE:-/tmp/megarl-site}"  # where the wheels are installed
 
 # What the image lacks, from the wheels that travel, without their dependencies and without network,
 # into a folder of its own: megatron-core always; pytest & co. only where the image cannot import them.
