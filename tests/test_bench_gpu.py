@@ -194,6 +194,22 @@ def test_rerun_failed_picks_what_did_not_finish(tmp_path):
     assert failed_parts(prev, tmp_path / "work") == ["pytest", "grpo_spec", "identity"]
 
 
+def test_rerun_failed_command_runs_only_those(tmp_path, capsys):
+    from megarl.cli import main
+
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    (prev / "summary.json").write_text(json.dumps({"parts_requested": ["env", "fail"], "parts": {
+        "env": {"status": "ok"}, "fail": {"status": "failed"}}}))
+    out = tmp_path / "out"
+    assert main(["bench", "gpu", "--out", str(out), "--work-dir", str(tmp_path / "w"), "--rerun-failed", str(prev),
+                 "--dry-run", "--profile", "quick"]) == 1
+    assert list(json.loads((out / "summary.json").read_text())["parts"]) == ["fail"]
+    (prev / "summary.json").write_text(json.dumps({"parts_requested": ["env"], "parts": {"env": {"status": "ok"}}}))
+    assert main(["bench", "gpu", "--out", str(tmp_path / "none"), "--rerun-failed", str(prev)]) == 0
+    assert "nothing to rerun" in capsys.readouterr().out and not (tmp_path / "none").exists()
+
+
 def test_merge_of_a_run_and_its_rerun(dry, tmp_path):
     out, _, _ = dry
     a, b = tmp_path / "a", tmp_path / "b"

@@ -357,8 +357,12 @@ def main_args(a: argparse.Namespace) -> int:
     if not parts:
         print(f"megarl bench gpu: every part in {a.rerun_failed}/summary.json finished ok; nothing to rerun")
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
-    summary = run_runbook(a.out, parts, a.dry_run, timeouts, a.deadline, a.work_dir, profile=a.profile, sets=a.sets)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
+    try:
+        summary = run_runbook(a.out, parts, a.dry_run, timeouts, a.deadline, a.work_dir, profile=a.profile,
+                              sets=a.sets)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(Path(a.out, "report.md").read_text())
     return 0 if all(r["status"] == "ok" for r in summary["parts"].values()) else 1
 
