@@ -223,7 +223,7 @@ def test_merge_of_a_run_and_its_rerun(dry, tmp_path):
         for n in names:
             (d / f"{n}.jsonl").write_text((out / f"{n}.jsonl").read_text())
     merged = merge(tmp_path / "m", [a, b])
-    assert list(merged["parts"]) == ["env", "engine", "grpo"] and len(merged["calls"]) == 2
+    assert list(merged["parts"]) == ["env", "engine", "grpo"] and len(merged["commands"]) == 2
     assert merged["parts"]["grpo"]["status"] == "ok"
     assert (tmp_path / "m" / "engine.jsonl").is_file() and (tmp_path / "m" / "grpo.jsonl").is_file()
     assert "part `identity` not run" in (tmp_path / "m" / "report.md").read_text()

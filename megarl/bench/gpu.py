@@ -288,17 +288,17 @@ def run_runbook(out_dir: str | Path, parts: list[str], dry_run: bool = False, ti
 def merge(out_dir: str | Path, sources: list[str | Path]) -> dict:
     """One report from several commands' folders (a first run and a rerun of what failed): their
     part files copied into ``out_dir``, later folders winning per part unless their part did not
-    finish ok where an earlier one did; each command's env kept in ``calls``."""
+    finish ok where an earlier one did; each command's env kept in ``commands``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged: dict = {"runbook": "megarl bench gpu, merged", "parts": {}, "calls": []}
+    merged: dict = {"runbook": "megarl bench gpu, merged", "parts": {}, "commands": []}
     for src in map(Path, sources):
         path = src / "summary.json"
         if not path.is_file():
             raise FileNotFoundError(f"--merge {src}: no summary.json there (a folder written by megarl bench gpu)")
         summary = json.loads(path.read_text())
         _, env = read_rows(src / "env.jsonl")
-        merged["calls"].append({"dir": str(src), "parts": list(summary.get("parts", {})),
+        merged["commands"].append({"dir": str(src), "parts": list(summary.get("parts", {})),
                                 "device": (env or {}).get("device", {}).get("name"),
                                 "date_utc": (env or {}).get("date_utc")})
         merged["dry_run"] = merged.get("dry_run", False) or summary.get("dry_run", False)

@@ -164,7 +164,8 @@ def _engine_table(engine: dict) -> list[str]:
 def _grpo_section(name: str, g: dict) -> list[str]:
     s = g["summary_after_step1"]
     rows = [f"### {name}", "", f"layout: {g.get('layout')}; SFT {_fmt(g['sft'].get('sft_time_s'), '.1f')} s; "
-            f"wall {g['wall_s']:.0f} s; peak GPU memory {_fmt(g.get('peak_gib'))} GiB; medians over steps >= 2: step {_fmt(s['step_time_s_median'])} s, rollout "
+            f"wall {g['wall_s']:.0f} s; peak GPU memory {_fmt(g.get('peak_gib'))} GiB; medians over steps >= 2: "
+            f"step {_fmt(s['step_time_s_median'])} s, rollout "
             f"{_fmt(s['rollout_time_s_median'])} s ({s['rollout_tok_s']:.0f} tok/s), train "
             f"{_fmt(s['train_time_s_median'])} s, weight sync {_fmt(s['weight_sync_s_median'])} s "
             f"({_fmt(s['weight_sync_gbps_median'])} GB/s), bubble work {_fmt(s['bubble_time_s_median'])} s", "",
@@ -208,14 +209,15 @@ def render(summary: dict, out_dir: Path) -> str:
         lines.append(f"ceilings: copy {_fmt(c.get('copy_gbps'), '.0f')} GB/s (read + write; datasheet "
                      f"{_fmt(dev.get('datasheet_gbps'))}), {c.get('matmul_dtype')} matmul "
                      f"{_fmt(c.get('matmul_tflops'), '.1f')} TFLOP/s (n={c.get('matmul_n')}); one-rank "
-                     f"{ar.get('backend')} all-reduce {_fmt(ar.get('algbw_gbps'), '.0f')} GB/s, result kept: "
+                     f"{ar.get('backend')} all-reduce {_fmt(ar.get('algbw_gbps'), '.0f')} GB/s, sum over one rank = input: "
                      f"{_fmt(ar.get('equal'))}" + (f" (error: {ar['error']})" if ar.get("error") else ""))
         lines.append(f"TORCHDYNAMO_DISABLE={env.get('torchdynamo_disable')} (1: Megatron's torch.compile'd fusions run "
                      f"eager)")
-    for call in summary.get("calls", []):
-        lines.append(f"call {call['dir']}: parts {', '.join(call['parts'])} on {call['device']} at {call['date_utc']}")
-    if len({c["device"] for c in summary.get("calls", [])}) > 1:
-        lines.append("**the calls ran on different devices**: compare figures only within one call")
+    for call in summary.get("commands", []):
+        lines.append(f"command {call['dir']}: parts {', '.join(call['parts'])} on {call['device']} at "
+                     f"{call['date_utc']}")
+    if len({c["device"] for c in summary.get("commands", [])}) > 1:
+        lines.append("**the commands ran on different devices**: compare figures only within one command")
     lines += ["", f"## Parts (profile {summary.get('profile', '—')})", "",
               "| part | status | seconds | limit s | rows | peak GPU GiB | error, or where it was cut |",
               "|---|---|---|---|---|---|---|"]
