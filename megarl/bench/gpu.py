@@ -1,25 +1,29 @@
-"""``megarl bench gpu`` (also ``python -m megarl.bench.gpu``): the GPU runbook of issue 25.
+"""``megarl bench gpu`` (also ``python -m megarl.bench.gpu``): the GPU runbook.
 
-One command, prepared and dry-run on CPU beforehand, that spends a lent GPU's lease on the
-measurements and checks the CPU cannot do. Each part runs in its own process with its own time
-limit, so a crash, a hang or a CUDA error ends only that part (its error is recorded) and the
-others still run. After every part the figures are written under ``--out``: one JSON per part
-(``PART.json``, written by the part itself), ``summary.json`` (each part's status, time, error and
-log tail, the budgets) and ``report.md`` (every figure next to the issue's target;
-:mod:`megarl.bench.gpu_report`). A command killed from outside therefore still leaves everything
-finished so far. That is at most 8 files, what the device tool brings back from ``$OUT``.
+One command, prepared and dry-run on CPU beforehand, that spends a short time on a machine with
+one NVIDIA GPU on the measurements and checks the CPU cannot do. Each part runs in its own
+process group with its own time limit, so a crash, a hang or a CUDA error ends only that part
+(its error is recorded) and the others still run. Each part appends its figures to
+``PART.jsonl`` under ``--out`` as it measures them (:mod:`megarl.bench.gpu_rows`: a row per engine
+batch, per KV cache step, per GRPO step, per test file), and the runner rewrites ``summary.json``
+(each part's status, time, rows, peak GPU memory, error and log tail) and ``report.md``
+(:mod:`megarl.bench.gpu_report`) whenever a part's rows grow. A command killed at any moment
+therefore leaves every row finished so far, and a report that names the part that was cut and
+its last row. Six parts, the summary and the report: 8 files.
 
-Parts (in run order; ``--parts`` picks some):
-- ``env``: device, versions, the copy and bf16 matmul ceilings (:mod:`megarl.bench.gpu_parts`);
+Parts (run order of both profiles, :mod:`megarl.bench.gpu_profiles`; ``--parts`` picks some):
+- ``env``: device, versions, a one-rank all-reduce, the copy and bf16 matmul ceilings (gpu_parts);
 - ``pytest``: the ``gpu``-marked tests (:mod:`megarl.bench.gpu_runs`);
-- ``engine``: ``bench engine`` at Qwen2.5-1.5B shapes, bf16 (:mod:`megarl.bench.gpu_runs`);
-- ``identity``: bf16 token identity with speculation on vs off per draft source (gpu_parts);
+- ``engine``: ``bench engine``'s measurements at Qwen2.5-1.5B shapes, bf16 (gpu_runs);
 - ``grpo``, ``grpo_spec``: one GRPO run on one GPU at SmolLM2 shapes, without and with
-  speculation + bubble drafts (:mod:`megarl.bench.gpu_runs`).
-``fail`` and ``hang`` are the runbook's self-test (never run unless named).
+  speculation + bubble drafts (gpu_runs);
+- ``identity``: bf16 token identity with speculation on vs off per draft source (gpu_identity).
+``fail``, ``hang`` and ``rows`` are the runbook's self-test (never run unless named).
 
+``--profile quick`` fits one command of 420 s; ``--rerun-failed DIR`` runs again only what did
+not finish in an earlier run's folder; ``--set PART.FIELD=VALUE`` sets any part's shapes.
 ``--dry-run``: tiny shapes on CPU through every part's code path (tests/test_bench_gpu.py).
-docs/gpu/README.md says how to run it with the device tool and how to read the report.
+docs/gpu/README.md says what travels, the command, and how to read and commit the report.
 """
 from __future__ import annotations
 
@@ -35,44 +39,49 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.bench.gpu_profiles import BUDGETS_S, DEADLINE_S, DRY_BUDGET_S, ORDER, build_shapes, shapes_json
+from megarl.bench.gpu_rows import read_rows, rows_peak_gib
 from megarl.utils.fs import atomic_write_text
 
 
 @dataclass(frozen=True)
 class Part:
-    """One runbook part: the process that runs it and its time limits."""
+    """One runbook part: the process that runs it (its limits come from the profile)."""
 
     module: str
-    """Module run as ``python -m MODULE ARG --json PATH [--dry-run]``."""
+    """Module run as ``python -m MODULE ARG --rows PATH --shapes JSON [--dry-run]``."""
     arg: str
     """The part's name in that module's command line."""
-    budget_s: float
-    """Time limit on a GPU (the part's process is killed past it). The default parts' budgets sum
-    to well under the issue's 25 minutes (printed at the start)."""
-    dry_budget_s: float
-    """Time limit of the CPU dry run (tiny shapes)."""
     what: str
     """One line for the report."""
 
 
 PARTS = {
-    "env": Part("megarl.bench.gpu_parts", "env", 60, 180, "device, versions, copy and bf16 matmul ceilings"),
-    "pytest": Part("megarl.bench.gpu_runs", "pytest", 180, 180, "the gpu-marked tests"),
-    "engine": Part("megarl.bench.gpu_runs", "engine", 330, 180,
+    "env": Part("megarl.bench.gpu_parts", "env", "device, versions, 1-rank all-reduce, copy and bf16 matmul ceilings"),
+    "pytest": Part("megarl.bench.gpu_runs", "pytest", "the gpu-marked tests"),
+    "engine": Part("megarl.bench.gpu_runs", "engine",
                    "decode tok/s vs transformers generate, fraction of the bandwidth bound, verify cost"),
-    "identity": Part("megarl.bench.gpu_parts", "identity", 180, 180,
-                     "token identity, speculation on vs off, per draft source"),
-    "grpo": Part("megarl.bench.gpu_runs", "grpo", 150, 180, "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
-    "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec", 210, 180,
+    "grpo": Part("megarl.bench.gpu_runs", "grpo", "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
+    "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec",
                       "the same run with speculation + bubble drafts: rollout speedup, exactness"),
-    # self-test parts (tests/test_bench_gpu.py): a failing part and a hanging one
-    "fail": Part("megarl.bench.gpu_parts", "fail", 60, 60, "self-test: raises"),
-    "hang": Part("megarl.bench.gpu_parts", "hang", 60, 60, "self-test: sleeps past its limit"),
+    "identity": Part("megarl.bench.gpu_identity", "identity",
+                     "token identity, speculation on vs off, per draft source"),
+    # self-test parts (tests/test_bench_gpu.py): a failing part, a hanging one, one writing rows forever
+    "fail": Part("megarl.bench.gpu_parts", "fail", "self-test: raises"),
+    "hang": Part("megarl.bench.gpu_parts", "hang", "self-test: sleeps past its limit"),
+    "rows": Part("megarl.bench.gpu_parts", "rows", "self-test: a row every 0.2 s until killed"),
 }
-DEFAULT_PARTS = ("env", "pytest", "engine", "identity", "grpo", "grpo_spec")
-DEFAULT_DEADLINE_S = 23 * 60  # the issue's 25 minutes, less the interpreter start and the report
+DEFAULT_PARTS = ORDER
+SELF_TEST_BUDGET_S = 60.0
 MIN_PART_S = 15.0  # a part is skipped (recorded) rather than started with less time than this left
 LOG_TAIL = 4000  # characters of each part's output kept in summary.json
+POLL_S = 1.0  # how often a running part's new rows are put into summary.json and report.md
+
+
+def budget_s(name: str, profile: str, dry_run: bool) -> float:
+    if name not in BUDGETS_S[profile]:
+        return SELF_TEST_BUDGET_S
+    return DRY_BUDGET_S if dry_run else float(BUDGETS_S[profile][name])
 
 
 def _error_line(text: str) -> str:
@@ -100,44 +109,78 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_part(name: str, out_dir: Path, work_dir: Path, dry_run: bool, timeout_s: float) -> dict:
-    """Run one part in its own process (own session) for at most ``timeout_s``; its record."""
-    part = PARTS[name]
-    json_path = out_dir / f"{name}.json"
-    json_path.unlink(missing_ok=True)  # a stale file must not pass for this run's figures
-    log_path = work_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", part.module, part.arg, "--json", str(json_path), "--work-dir", str(work_dir)]
-    if dry_run:
-        cmd.append("--dry-run")
+def part_env(dry_run: bool) -> dict:
+    """The environment of a part's process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Megatron's bias/activation fusions are torch.compile'd (megatron.core.jit.jit_fuser) and
+    # turned on under CUDA: a cold compile in every trainer process, on a path no CPU test takes.
+    # Off unless the caller sets it (TORCHDYNAMO_DISABLE=0 measures them); the env part records it.
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if dry_run:  # tiny shapes gain nothing from threads, and on shared cores OpenMP's spinning threads
         env["OMP_NUM_THREADS"] = "1"  # made the identity part 20x slower (measured: 177 s vs 7.5 s)
     root = str(Path(__file__).resolve().parents[2])  # this checkout's megarl, also in the part's children
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def _progress(rows_path: Path) -> dict:
+    rows, result = read_rows(rows_path)
+    out = {"rows": len(rows), "last_row": rows[-1]["row"] if rows else None, "finished": result is not None}
+    peak = rows_peak_gib(rows, result)
+    if peak is not None:
+        out["peak_gib"] = peak
+    return out
+
+
+def run_part(name: str, out_dir: Path, work_dir: Path, dry_run: bool, timeout_s: float, shapes: dict | None = None,
+             on_rows=None) -> dict:
+    """Run one part in its own process group for at most ``timeout_s``; its record. While it runs,
+    ``on_rows(record)`` is called each time its JSONL file grows (the report follows the rows)."""
+    part = PARTS[name]
+    rows_path = out_dir / f"{name}.jsonl"
+    rows_path.unlink(missing_ok=True)  # a stale file must not pass for this run's figures
+    log_path = work_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", part.module, part.arg, "--rows", str(rows_path), "--work-dir", str(work_dir),
+           "--shapes", json.dumps(shapes or {})]
+    if dry_run:
+        cmd.append("--dry-run")
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        # Its own process group (killed as one at the limit), not its own session: the device
-        # tool ends a command's leftover processes except those in a new session, and a part
-        # left running would share the GPU with the next call's parts.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+        # Its own process group (killed as one at the limit), not a new POSIX session (setsid):
+        # the machine ends a command's leftover processes unless they left its session, and a
+        # part left running would share the GPU with the next command's parts.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=part_env(dry_run), process_group=0)
+        size, rc, status = None, None, "timeout"  # (None: "running" is recorded at the first poll)
         try:
-            rc = proc.wait(timeout=timeout_s)
-            status = "ok" if rc == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc, status = None, "timeout"
+            while (left := timeout_s - (time.perf_counter() - t0)) > 0:
+                try:
+                    rc = proc.wait(timeout=min(POLL_S, left))
+                    status = "ok" if rc == 0 else "failed"
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                new_size = rows_path.stat().st_size if rows_path.exists() else -1
+                if on_rows is not None and new_size != size:
+                    size = new_size
+                    on_rows({"part": name, "status": "running", "pid": proc.pid, "timeout_s": timeout_s,
+                             "seconds": round(time.perf_counter() - t0, 2), **_progress(rows_path)})
+            else:
+                _kill_group(proc)
         except BaseException:  # the runbook itself stopped (SIGTERM, Ctrl-C): the part goes with it
             _kill_group(proc)
             raise
     seconds = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
-    rec = {"part": name, "status": status, "rc": rc, "pid": proc.pid, "seconds": round(seconds, 2), "timeout_s": timeout_s,
-           "json": json_path.name if json_path.exists() else None, "log_tail": text[-LOG_TAIL:]}
-    if status == "ok" and not json_path.exists():
+    progress = _progress(rows_path)
+    rec = {"part": name, "status": status, "rc": rc, "pid": proc.pid, "seconds": round(seconds, 2),
+           "timeout_s": timeout_s, "jsonl": rows_path.name if rows_path.exists() else None, **progress,
+           "log_tail": text[-LOG_TAIL:]}
+    if status == "ok" and not progress["finished"]:
         rec["status"] = "failed"
-        rec["error"] = f"exited 0 but wrote no {json_path.name}"
+        rec["error"] = f"exited 0 but wrote no result line to {rows_path.name}"
     elif status == "failed":
-        rec["error"] = f"exit status {rc}: {_error_line(text)}"
+        how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+        rec["error"] = f"{how}: {_error_line(text)}"
     elif status == "timeout":
         rec["error"] = f"killed after its time limit of {timeout_s:.0f} s (ran {seconds:.0f} s)"
     return rec
@@ -153,7 +196,7 @@ def _write(out_dir: Path, summary: dict) -> None:
         import traceback
 
         text = (f"# megarl GPU runbook report\n\nthe report could not be rendered ({type(e).__name__}: {e}); "
-                f"the figures are in the JSON files beside it.\n\n```\n{traceback.format_exc()[-3000:]}```\n")
+                f"the figures are in the JSONL files beside it.\n\n```\n{traceback.format_exc()[-3000:]}```\n")
     atomic_write_text(out_dir / "report.md", text)
 
 
@@ -180,33 +223,60 @@ def parse_timeouts(items: list[str]) -> dict[str, float]:
     return out
 
 
+def failed_parts(prev_dir: str | Path, work_dir: str | Path | None) -> list[str]:
+    """The parts of an earlier run (its ``summary.json``) that did not finish ok, in run order;
+    ``grpo`` too when ``grpo_spec`` is among them and no finished ``grpo`` run is in the work
+    folder (the spec run is compared with it)."""
+    path = Path(prev_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--rerun-failed {prev_dir}: no summary.json there (a folder written by megarl bench "
+                                f"gpu, e.g. the first command's files copied into the checkout)")
+    summary = json.loads(path.read_text())
+    done = summary.get("parts", {})
+    requested = summary.get("parts_requested") or list(done)
+    names = [n for n in requested if n in PARTS and done.get(n, {}).get("status") != "ok"]
+    plain = Path(work_dir or "") / "grpo" / "metrics.jsonl"
+    if "grpo_spec" in names and "grpo" not in names and not (work_dir and plain.is_file()):
+        names.insert(names.index("grpo_spec"), "grpo")
+    return names
+
+
 def run_runbook(out_dir: str | Path, parts: list[str], dry_run: bool = False, timeouts: dict | None = None,
-                deadline_s: float = DEFAULT_DEADLINE_S, work_dir: str | Path | None = None,
-                echo=print) -> dict:
-    """Run ``parts`` in order, each in its own process; write the JSON and the report after each."""
+                deadline_s: float | None = None, work_dir: str | Path | None = None, echo=print,
+                profile: str = "full", sets: list[str] | tuple[str, ...] = ()) -> dict:
+    """Run ``parts`` in order, each in its own process; the summary and the report follow every
+    part's rows as they are written."""
+    shapes = build_shapes(profile, dry_run, list(sets))  # (bad --set: an error before anything is written)
+    if deadline_s is None:  # a CPU dry run on shared cores is slower than its GPU profile
+        deadline_s = DRY_BUDGET_S * len(parts) if dry_run else DEADLINE_S[profile]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
-    budgets = {n: (timeouts or {}).get(n, PARTS[n].dry_budget_s if dry_run else PARTS[n].budget_s) for n in parts}
-    summary = {"runbook": "megarl bench gpu (issue 25)", "dry_run": dry_run, "parts_requested": parts,
-               "budgets_s": budgets, "deadline_s": deadline_s, "work_dir": str(work),
+    budgets = {n: (timeouts or {}).get(n, budget_s(n, profile, dry_run)) for n in parts}
+    summary = {"runbook": "megarl bench gpu", "profile": profile, "dry_run": dry_run, "parts_requested": parts,
+               "sets": list(sets), "budgets_s": budgets, "deadline_s": deadline_s, "work_dir": str(work),
+               "torchdynamo_disable": part_env(dry_run).get("TORCHDYNAMO_DISABLE"),
                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": {}}
-    echo(f"megarl bench gpu{' --dry-run' if dry_run else ''}: {len(parts)} parts, budgets (s): "
+    echo(f"megarl bench gpu --profile {profile}{' --dry-run' if dry_run else ''}: {len(parts)} parts, budgets (s): "
          + ", ".join(f"{n} {b:.0f}" for n, b in budgets.items())
          + f"; sum {sum(budgets.values()):.0f} s, deadline {deadline_s:.0f} s; out {out_dir}, work {work}")
     t0 = time.perf_counter()
+
+    def running(rec: dict) -> None:
+        summary["parts"][rec["part"]] = rec
+        summary["elapsed_s"] = round(time.perf_counter() - t0, 2)
+        _write(out_dir, summary)
+
     for name in parts:
         left = deadline_s - (time.perf_counter() - t0)
         if left < MIN_PART_S:
             rec = {"part": name, "status": "skipped", "seconds": 0.0,
                    "error": f"skipped: {max(left, 0):.0f} s left before the deadline of {deadline_s:.0f} s"}
         else:
-            rec = run_part(name, out_dir, work, dry_run, min(budgets[name], left))
-        summary["parts"][name] = rec
-        summary["elapsed_s"] = round(time.perf_counter() - t0, 2)
-        _write(out_dir, summary)
-        echo(f"  {name:<10} {rec['status']:<8} {rec['seconds']:>7.1f} s"
+            rec = run_part(name, out_dir, work, dry_run, min(budgets[name], left), shapes_json(shapes, name), running)
+        running(rec)
+        echo(f"  {name:<10} {rec['status']:<8} {rec['seconds']:>7.1f} s  rows {rec.get('rows', 0)}"
              + (f"  {rec['error']}" if rec.get("error") else ""))
     summary["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     _write(out_dir, summary)
@@ -216,45 +286,55 @@ def run_runbook(out_dir: str | Path, parts: list[str], dry_run: bool = False, ti
 
 
 def merge(out_dir: str | Path, sources: list[str | Path]) -> dict:
-    """One report from several calls' folders (the device tool runs at most 10 minutes a command,
-    so the runbook is run in groups of parts): their part JSONs copied into ``out_dir``, later
-    folders winning per part, each call's env kept in ``calls``."""
+    """One report from several commands' folders (a first run and a rerun of what failed): their
+    part files copied into ``out_dir``, later folders winning per part unless their part did not
+    finish ok where an earlier one did; each command's env kept in ``commands``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged: dict = {"runbook": "megarl bench gpu (issue 25), merged", "parts": {}, "calls": []}
+    merged: dict = {"runbook": "megarl bench gpu, merged", "parts": {}, "commands": []}
     for src in map(Path, sources):
         path = src / "summary.json"
         if not path.is_file():
             raise FileNotFoundError(f"--merge {src}: no summary.json there (a folder written by megarl bench gpu)")
         summary = json.loads(path.read_text())
-        env = json.loads((src / "env.json").read_text()) if (src / "env.json").is_file() else {}
-        merged["calls"].append({"dir": str(src), "parts": list(summary.get("parts", {})),
-                                "device": env.get("device", {}).get("name"), "date_utc": env.get("date_utc")})
+        _, env = read_rows(src / "env.jsonl")
+        merged["commands"].append({"dir": str(src), "parts": list(summary.get("parts", {})),
+                                "device": (env or {}).get("device", {}).get("name"),
+                                "date_utc": (env or {}).get("date_utc")})
         merged["dry_run"] = merged.get("dry_run", False) or summary.get("dry_run", False)
+        for key in ("profile", "parts_requested"):
+            merged.setdefault(key, summary.get(key))
         for name, rec in summary.get("parts", {}).items():
-            if name == "env" and "env" in merged["parts"] and rec.get("status") != "ok":
-                continue  # a failed env of a later call keeps the earlier one's figures
+            if rec.get("status") != "ok" and merged["parts"].get(name, {}).get("status") == "ok":
+                continue  # a part that failed again keeps the earlier command's figures
             merged["parts"][name] = rec
-            if rec.get("json") and (src / rec["json"]).is_file() and src.resolve() != out_dir.resolve():
-                shutil.copyfile(src / rec["json"], out_dir / rec["json"])
+            if rec.get("jsonl") and (src / rec["jsonl"]).is_file() and src.resolve() != out_dir.resolve():
+                shutil.copyfile(src / rec["jsonl"], out_dir / rec["jsonl"])
     _write(out_dir, merged)
     return merged
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="python -m megarl.bench.gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for PART.json, summary.json and report.md")
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: every part's code path, ~1 minute")
-    p.add_argument("--parts", help=f"comma-separated, in this order (default: {','.join(DEFAULT_PARTS)}; "
-                                   f"self-test: fail, hang)")
+    p.add_argument("--out", required=True, help="folder for PART.jsonl, summary.json and report.md")
+    p.add_argument("--profile", default="full", choices=list(BUDGETS_S),
+                   help="quick: every part at smaller shapes, one command of <= 420 s; full: the targets' shapes")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: every part's code path")
+    p.add_argument("--parts", help=f"comma-separated, run in the order given (default: {','.join(DEFAULT_PARTS)}; "
+                                   f"self-test: fail, hang, rows)")
+    p.add_argument("--rerun-failed", metavar="DIR",
+                   help="run only the parts that did not finish ok in DIR/summary.json (an earlier run's out folder)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="PART.FIELD=VALUE",
+                   help="a part's shape (repeatable; e.g. engine.batch_sizes=[1,64], grpo.rl_steps=4); "
+                        "docs/gpu/README.md lists the fields")
     p.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
                    help="override a part's time limit (repeatable)")
-    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+    p.add_argument("--deadline", type=float,
                    help=f"seconds for all parts together: a part gets at most what is left, and is skipped "
-                        f"with less than {MIN_PART_S:.0f} s left (default {DEFAULT_DEADLINE_S})")
+                        f"with less than {MIN_PART_S:.0f} s left (default per profile: {DEADLINE_S})")
     p.add_argument("--work-dir", help="scratch folder (part logs, training runs; default: a new temporary folder)")
     p.add_argument("--merge", nargs="+", metavar="DIR",
-                   help="write one report in --out from these folders of earlier calls (runs nothing)")
+                   help="write one report in --out from these folders of earlier commands (runs nothing)")
     return p
 
 
@@ -264,14 +344,25 @@ def main_args(a: argparse.Namespace) -> int:
             merge(a.out, a.merge)
             print(Path(a.out, "report.md").read_text())
             return 0
-        parts, timeouts = parse_parts(a.parts), parse_timeouts(a.timeout)
-        if a.deadline <= 0:
+        if a.rerun_failed and a.parts:
+            raise ValueError("--rerun-failed and --parts both pick the parts; give one of them")
+        parts = failed_parts(a.rerun_failed, a.work_dir) if a.rerun_failed else parse_parts(a.parts)
+        timeouts = parse_timeouts(a.timeout)
+        if a.deadline is not None and a.deadline <= 0:
             raise ValueError(f"--deadline={a.deadline} is invalid; valid range: > 0 seconds")
-    except (ValueError, FileNotFoundError) as e:
+        build_shapes(a.profile, a.dry_run, a.sets)
+    except (ValueError, FileNotFoundError) as e:  # (ConfigError is a ValueError)
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
-    summary = run_runbook(a.out, parts, a.dry_run, timeouts, a.deadline, a.work_dir)
+    if not parts:
+        print(f"megarl bench gpu: every part in {a.rerun_failed}/summary.json finished ok; nothing to rerun")
+        return 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
+    try:
+        summary = run_runbook(a.out, parts, a.dry_run, timeouts, a.deadline, a.work_dir, profile=a.profile,
+                              sets=a.sets)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(Path(a.out, "report.md").read_text())
     return 0 if all(r["status"] == "ok" for r in summary["parts"].values()) else 1
 

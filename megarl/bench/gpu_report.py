@@ -1,12 +1,15 @@
-"""The GPU runbook's markdown report (``report.md``): every figure the parts wrote next to issue
-25's target, and what each part did. Reads only the JSON files under the out folder; a part that
-failed or did not run shows as such (never as a met target)."""
+"""The GPU runbook's markdown report (``report.md``): every figure the parts wrote next to the
+design's targets, and what each part did. Reads only the files under the out folder: a part's
+figures are its JSONL file's result line; a part without one (cut at its limit, crashed, or
+running when the command ended) shows as such, never as a met target, and the rows it finished
+are listed under "Cut parts" with where it stopped."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-# Issue 25, "Must show".
+from megarl.bench.gpu_rows import read_rows
+
+# The targets of the GPU work (docs/gpu/README.md, "Reading the report").
 TARGETS = {
     "speedup_b64": 5.0,  # engine tok/s >= 5x transformers generate at batch 64
     "frac_bound_b1": 0.60,  # >= 60% of the memory-bandwidth bound at batch 1
@@ -16,14 +19,50 @@ TARGETS = {
 
 
 def _load(out_dir: Path, summary: dict, part: str) -> dict | None:
-    rec = summary.get("parts", {}).get(part)
-    path = out_dir / f"{part}.json"
-    if rec is None or not path.is_file():
+    """The part's result line, if it finished."""
+    if part not in summary.get("parts", {}):
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_rows(out_dir / f"{part}.jsonl")[1]
+    except OSError:
         return None
+
+
+def _where(rec: dict) -> str:
+    """Where a part that did not finish stopped, from its rows."""
+    n = rec.get("rows") or 0
+    if not n:
+        return "no row finished"
+    return f"{n} row{'s' if n > 1 else ''} finished, the last `{rec.get('last_row')}`"
+
+
+def _row_text(row: dict) -> str:
+    skip = {"row", "t_s", "tests", "output_tail", "versions", "imports", "device"}
+    cells = []
+    for k, v in row.items():
+        if k in skip or isinstance(v, (dict, list)):
+            continue
+        cells.append(f"{k} {_fmt(v, '.4g') if isinstance(v, float) else v}")
+    return ", ".join(cells)[:400]
+
+
+def _cut_parts(summary: dict, out_dir: Path) -> list[str]:
+    """The rows of every part that started but has no result line."""
+    lines = []
+    for name, rec in summary.get("parts", {}).items():
+        if rec.get("status") == "skipped":
+            continue
+        rows, result = read_rows(out_dir / f"{name}.jsonl")
+        if result is not None:
+            continue
+        state = ("still running when this report was written (if it is the last one, the command ended here)"
+                 if rec.get("status") == "running" else f"{rec.get('status')}: {rec.get('error', '')}")
+        lines += [f"### {name}: cut, {_where(rec)}", "", state[:400], ""]
+        lines += [f"- `{r['row']}` at {r.get('t_s', 0):.1f} s: {_row_text(r)}" for r in rows[-40:]]
+        if len(rows) > 40:
+            lines.insert(len(lines) - 40, f"(the last 40 of {len(rows)} rows; all are in {name}.jsonl)")
+        lines.append("")
+    return lines
 
 
 def _fmt(x, spec: str = ".3g") -> str:
@@ -51,7 +90,7 @@ def _missing(summary: dict, part: str) -> str:
 
 
 def _targets(summary: dict, env, engine, identity, grpo_spec, dry: bool) -> list[str]:
-    rows = ["| target (issue 25) | measured | verdict |", "|---|---|---|"]
+    rows = ["| target | measured | verdict |", "|---|---|---|"]
     copy = (env or {}).get("ceilings", {}).get("copy_gbps")
     if engine is None:
         rows.append(f"| engine >= {TARGETS['speedup_b64']:g}x generate at batch 64; >= {TARGETS['frac_bound_b1']:.0%} "
@@ -125,16 +164,17 @@ def _engine_table(engine: dict) -> list[str]:
 def _grpo_section(name: str, g: dict) -> list[str]:
     s = g["summary_after_step1"]
     rows = [f"### {name}", "", f"layout: {g.get('layout')}; SFT {_fmt(g['sft'].get('sft_time_s'), '.1f')} s; "
-            f"wall {g['wall_s']:.0f} s; medians over steps >= 2: step {_fmt(s['step_time_s_median'])} s, rollout "
+            f"wall {g['wall_s']:.0f} s; peak GPU memory {_fmt(g.get('peak_gib'))} GiB; medians over steps >= 2: "
+            f"step {_fmt(s['step_time_s_median'])} s, rollout "
             f"{_fmt(s['rollout_time_s_median'])} s ({s['rollout_tok_s']:.0f} tok/s), train "
             f"{_fmt(s['train_time_s_median'])} s, weight sync {_fmt(s['weight_sync_s_median'])} s "
             f"({_fmt(s['weight_sync_gbps_median'])} GB/s), bubble work {_fmt(s['bubble_time_s_median'])} s", "",
             "| step | step s | " + " | ".join(f"{p} s" for p in ("generate", "reward", "bubble", "train", "sync"))
             + " | rollout tokens | sync GB/s | reward | forward reduction |", "|" + "---|" * 11]
     moved = sum(1 for st in g["steps"] if (st.get("grad_norm") or 0) > 0)
-    if g.get("deterministic_fallback"):
-        rows.insert(3, f"**ran with deterministic=false**: under deterministic: true it failed with "
-                       f"`{g['deterministic_fallback'][:300]}`")
+    if g.get("nondeterministic_ops"):
+        rows.insert(3, f"**not bitwise repeatable**: ops without a deterministic CUDA kernel ran (warned instead "
+                       f"of failing): `{'; '.join(g['nondeterministic_ops'])[:400]}`")
         rows.insert(3, "")
     rows.insert(3, "")
     rows.insert(4, f"policy updated (grad_norm > 0) in {moved} of {len(g['steps'])} steps"
@@ -156,7 +196,7 @@ def render(summary: dict, out_dir: Path) -> str:
     env, engine, identity = (_load(out_dir, summary, p) for p in ("env", "engine", "identity"))
     tests, grpo, grpo_spec = (_load(out_dir, summary, p) for p in ("pytest", "grpo", "grpo_spec"))
     dev = (env or {}).get("device", {})
-    lines = ["# megarl GPU runbook report (issue 25)", ""]
+    lines = ["# megarl GPU runbook report", ""]
     if dry:
         lines += ["**DRY RUN** on CPU with tiny shapes: it checks every part's code path; its figures are not "
                   "comparable with the targets.", ""]
@@ -165,19 +205,34 @@ def render(summary: dict, out_dir: Path) -> str:
     if env:
         v = env["versions"]
         lines.append("versions: " + ", ".join(f"{k} {v.get(k)}" for k in v) + f"; python {env['python']}")
-        c = env["ceilings"]
-        lines.append(f"ceilings: copy {c['copy_gbps']:.0f} GB/s (read + write; datasheet "
-                     f"{_fmt(dev.get('datasheet_gbps'))}), {c['matmul_dtype']} matmul {c['matmul_tflops']:.1f} TFLOP/s "
-                     f"(n={c['matmul_n']})")
-    for call in summary.get("calls", []):
-        lines.append(f"call {call['dir']}: parts {', '.join(call['parts'])} on {call['device']} at {call['date_utc']}")
-    if len({c["device"] for c in summary.get("calls", [])}) > 1:
-        lines.append("**the calls ran on different devices**: compare figures only within one call")
-    lines += ["", "## Parts", "", "| part | status | seconds | limit s | error |", "|---|---|---|---|---|"]
+        c, ar = env["ceilings"], env.get("allreduce", {})
+        lines.append(f"ceilings: copy {_fmt(c.get('copy_gbps'), '.0f')} GB/s (read + write; datasheet "
+                     f"{_fmt(dev.get('datasheet_gbps'))}), {c.get('matmul_dtype')} matmul "
+                     f"{_fmt(c.get('matmul_tflops'), '.1f')} TFLOP/s (n={c.get('matmul_n')}); one-rank "
+                     f"{ar.get('backend')} all-reduce {_fmt(ar.get('algbw_gbps'), '.0f')} GB/s, sum over one rank = input: "
+                     f"{_fmt(ar.get('equal'))}" + (f" (error: {ar['error']})" if ar.get("error") else ""))
+        lines.append(f"TORCHDYNAMO_DISABLE={env.get('torchdynamo_disable')} (1: Megatron's torch.compile'd fusions run "
+                     f"eager)")
+    for call in summary.get("commands", []):
+        lines.append(f"command {call['dir']}: parts {', '.join(call['parts'])} on {call['device']} at "
+                     f"{call['date_utc']}")
+    if len({c["device"] for c in summary.get("commands", [])}) > 1:
+        lines.append("**the commands ran on different devices**: compare figures only within one command")
+    lines += ["", f"## Parts (profile {summary.get('profile', '—')})", "",
+              "| part | status | seconds | limit s | rows | peak GPU GiB | error, or where it was cut |",
+              "|---|---|---|---|---|---|---|"]
     for name, rec in summary.get("parts", {}).items():
         err = (rec.get("error") or "").replace("|", "/").replace("\n", " ")[:300]
+        if rec["status"] not in ("ok", "skipped"):
+            err = f"{err}; {_where(rec)}" if err else _where(rec)
         lines.append(f"| {name} | {rec['status']} | {rec.get('seconds', 0):.1f} | {_fmt(rec.get('timeout_s'), '.0f')} | "
-                     f"{err} |")
+                     f"{rec.get('rows', 0)} | {_fmt(rec.get('peak_gib'))} | {err} |")
+    not_started = [n for n in summary.get("parts_requested", []) if n not in summary.get("parts", {})]
+    if not_started:
+        lines.append(f"\nnot started (the command ended first, or still to come): {', '.join(not_started)}")
+    cut = _cut_parts(summary, out_dir)
+    if cut:
+        lines += ["", "## Cut parts: the rows they finished", "", *cut]
     lines += ["", "## Targets", "", *_targets(summary, env, engine, identity, grpo_spec, dry), ""]
     lines += ["## gpu-marked tests", ""]
     if tests is None:
@@ -194,7 +249,8 @@ def render(summary: dict, out_dir: Path) -> str:
     else:
         s = engine["shape"]
         lines += [f"{s['dtype']}, prompt {s['prompt_len']}, {s['new_tokens']} new tokens, fastest of {s['repeats']}; "
-                  f"bound at {s['hbm_gbps']:.0f} GB/s, weights {engine['weights_bytes'] / 1e9:.2f} GB", "",
+                  f"bound at {s['hbm_gbps']:.0f} GB/s, weights {engine['weights_bytes'] / 1e9:.2f} GB; peak GPU "
+                  f"memory {_fmt(engine.get('peak_gib'))} GiB", "",
                   *_engine_table(engine)]
     lines += ["", "## Token identity (speculation on vs off)", ""]
     if identity is None:

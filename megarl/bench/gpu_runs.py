@@ -1,20 +1,24 @@
 """Parts of the GPU runbook that drive existing entry points (``megarl/bench/gpu.py`` starts each
-in its own process):
+in its own process); each appends its rows to its JSONL file as it goes (:mod:`megarl.bench.gpu_rows`):
 
-- ``pytest``: the ``gpu``-marked tests (every test file under tests/ that marks one), results per
-  test from pytest's JUnit XML. Exits 1 when a test fails (its figures are still written).
-- ``engine``: :func:`megarl.bench.engine.bench_engine` at Qwen2.5-1.5B shapes, random weights,
-  bf16: decode tok/s at batch 1/16/64/256 per KV cache vs ``transformers`` ``generate`` on the
-  same weights, the bandwidth bound (datasheet GB/s of the device), verify K=4 at batch 16
-  against one decode step. CUDA graphs: recorded as not built while the engine has none.
+- ``pytest``: the ``gpu``-marked tests (every test file under tests/ that marks one), one pytest
+  process per file, a row per file with each test's outcome from pytest's JUnit XML. Exits 1
+  when a test fails (its rows are still written).
+- ``engine``: ``megarl bench engine``'s measurements (:mod:`megarl.bench.engine`) at Qwen2.5-1.5B
+  shapes, random weights, bf16: per batch a row for ``transformers`` ``generate`` and one per KV
+  cache (decode tok/s plain and with speculation, fraction of the bandwidth bound at the
+  device's datasheet GB/s), then verify K=4 at batch 16 against one decode step per KV cache.
 - ``grpo`` / ``grpo_spec``: ``megarl train`` on one GPU (a process group of one, NCCL; trainer
   and engine colocated) at SmolLM2-135M's body shapes with random weights, rollouts in bf16,
-  without and then with speculation and bubble drafts; per step and per phase (timeline.jsonl),
-  rollout tok/s, weight sync GB/s; ``grpo_spec`` also compares its rollouts with ``grpo``'s (same
-  work folder): rollout speedup and exactness (identical tokens and weight checksums per step).
+  without and then with speculation and bubble drafts; a row per RL step as the run writes it
+  (its metrics and phases), then rollout tok/s and weight sync GB/s; ``grpo_spec`` also compares
+  its rollouts with ``grpo``'s (same work folder): rollout speedup and exactness (identical tokens
+  and weight checksums per step). ``megarl train`` runs under :mod:`megarl.bench.gpu_child` (peak
+  GPU memory; ops without a deterministic kernel warn and are recorded instead of failing).
 
-Usage: ``python -m megarl.bench.gpu_runs {pytest,engine,grpo,grpo_spec} --json PATH --work-dir DIR
-[--dry-run]``.
+Shapes: the runbook's sections of :mod:`megarl.bench.gpu_profiles` (``--shapes`` JSON).
+Usage: ``python -m megarl.bench.gpu_runs {pytest,engine,grpo,grpo_spec} --rows PATH --work-dir DIR
+[--shapes JSON] [--dry-run]``.
 """
 from __future__ import annotations
 
@@ -29,6 +33,10 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from megarl.bench.gpu_profiles import EngineShapes, GrpoShapes, PytestShapes
+from megarl.bench.gpu_rows import Rows
+from megarl.utils.dataclass_config import from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,80 +71,121 @@ def _junit(xml: Path) -> list[dict]:
     return tests
 
 
-def pytest_part(work: Path, json_path: Path, dry_run: bool) -> tuple[dict, bool]:
-    """One pytest process per file, the figures written after each: a part cut at its time limit
-    keeps the files already run."""
-    files = gpu_test_files()
-    base = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-    try:  # a hanging test ends as a failure of that test (on the GPU image, which has the plugin)
+def pytest_part(work: Path, rows: Rows, shapes: PytestShapes, dry_run: bool) -> tuple[dict, bool]:
+    """One pytest process per file, a row after each: a part cut at its time limit keeps the
+    files already run."""
+    files = list(shapes.files) or gpu_test_files()
+    base = ["-m", "gpu", "-p", "no:cacheprovider", "-q"]
+    try:  # a hanging test ends as a failure of that test, where the plugin is installed
         import pytest_timeout  # noqa: F401
 
-        base += ["--timeout", "150"]
+        base += ["--timeout", str(shapes.test_timeout_s)]
     except ImportError:
         pass
-    out: dict = {"command": " ".join(base) + " FILE", "files": files, "runs": [], "tests": [], "seconds": 0.0}
+    out: dict = {"command": "python -m pytest " + " ".join(base) + " FILE", "files": files, "runs": [], "tests": [],
+                 "seconds": 0.0}
     for i, f in enumerate(files):
-        xml = work / f"pytest-gpu-{i}.xml"
+        xml, info = work / f"pytest-gpu-{i}.xml", work / f"pytest-gpu-{i}.child.json"
         xml.unlink(missing_ok=True)
+        info.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        proc = subprocess.run([*base, f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True,
-                              text=True)
+        # under gpu_child --strict: the file's peak GPU memory, tests otherwise untouched
+        proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_child", "--strict", str(info), "pytest", *base,
+                               f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True, text=True)
         dt = time.perf_counter() - t0
         out["seconds"] += dt
-        out["runs"].append({"file": f, "rc": proc.returncode, "seconds": dt,
-                            "output_tail": (proc.stdout + proc.stderr)[-1500:]})
+        peak = json.loads(info.read_text()).get("peak_gib") if info.is_file() else None
+        run = {"file": f, "rc": proc.returncode, "seconds": dt, "peak_gib": peak,
+               "output_tail": (proc.stdout + proc.stderr)[-1500:]}
+        out["runs"].append(run)
         if xml.is_file():
-            out["tests"] += _junit(xml)
+            tests = _junit(xml)
         else:  # e.g. an import error before collection: the file counts as one error
-            out["tests"].append({"test": f, "outcome": "error", "seconds": dt,
-                                 "message": f"pytest wrote no report (exit status {proc.returncode}): "
-                                            f"{(proc.stdout + proc.stderr)[-500:]}"})
+            tests = [{"test": f, "outcome": "error", "seconds": dt,
+                      "message": f"pytest wrote no report (exit status {proc.returncode}): "
+                                 f"{(proc.stdout + proc.stderr)[-500:]}"}]
+        out["tests"] += tests
         out["counts"] = {k: sum(t["outcome"] == k for t in out["tests"]) for k in ("passed", "failed", "error", "skipped")}
-        json_path.write_text(json.dumps(out | {"dry_run": dry_run}, indent=2) + "\n")
-    counts = out["counts"]
+        rows.add(f"file {f}", **run, tests=tests)
+    counts = out.get("counts", {"passed": 0, "failed": 0, "error": 0, "skipped": 0})
+    out["counts"] = counts
     return out, counts["failed"] == 0 and counts["error"] == 0 and (dry_run or counts["passed"] > 0)
 
 
 # ------------------------------------------------------------------ engine
-def engine_part(json_path: Path, dry_run: bool) -> dict:
+def _engine_models(shape, device: str):
+    """The ``transformers`` model (random weights, built on the device) and the engine's model of
+    the same shapes; the engines load the former's weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.bench.engine import MODEL_SIZES
+    from megarl.engine import EngineConfig
+    from megarl.models.config import ModelArgs
+    from megarl.models.llama import CausalLM
+
+    if shape.model_size not in MODEL_SIZES:
+        raise ValueError(f"engine.model_size={shape.model_size!r} is invalid; valid choices: {list(MODEL_SIZES)}")
+    args = ModelArgs(**MODEL_SIZES[shape.model_size], model_type="qwen2")
+    torch_dtype = EngineConfig(dtype=shape.dtype).torch_dtype
+    hf_cfg = args.to_hf_config()
+    hf_cfg.pop("architectures"), hf_cfg.pop("torch_dtype")
+    torch.manual_seed(0)
+    with torch.device(device):  # a 1.5B model initialised on the GPU: seconds, not a minute of CPU
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch_dtype,
+                                              attn_implementation="sdpa").to(device).eval()
+        model = CausalLM(args)
+    return hf, model, {k: v.detach() for k, v in hf.state_dict().items()}, torch_dtype
+
+
+def engine_part(rows: Rows, shapes: EngineShapes, dry_run: bool) -> dict:
+    """``bench engine``'s measurements, a row per generate / KV cache / verify measurement."""
     import dataclasses
 
     import torch
 
-    from megarl.bench.engine import MODEL_SIZES, BenchShape, bench_engine
+    from megarl.bench.engine import MODEL_SIZES, BenchShape, _bench_engine, _bench_hf, _bound, _verify_cost
     from megarl.bench.gpu_parts import SHAPES, datasheet_gbps
-    from megarl.engine import EngineConfig
 
     if dry_run:
         # bench engine's own "tiny" (vocab 8192, width 384) takes a minute on a shared CPU; the dry
         # run only walks the code path, so this process adds the runbook's smaller CPU model.
         MODEL_SIZES.setdefault("gpu-dry", {k: v for k, v in SHAPES["tiny"].items() if k != "model_type"}
                                | {"tie_word_embeddings": True})
-        shape = BenchShape(model_size="gpu-dry", batch_sizes=[1, 64, 2], prompt_len=8, new_tokens=6, dtype="float32",
-                           device="cpu", kv_caches=["slots", "paged"], hbm_gbps=3350.0, repeats=1)
+        device, dtype, gbps = "cpu", "float32", 3350.0
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("engine part: no CUDA device visible (use --dry-run on a CPU)")
-        gbps = datasheet_gbps(torch.cuda.get_device_name(0))
-        shape = BenchShape(model_size="1.5b", batch_sizes=[1, 64, 16, 256], prompt_len=128, new_tokens=128,
-                           dtype="bfloat16", device="cuda", kv_caches=["slots", "paged"], hbm_gbps=gbps or 3350.0,
-                           repeats=2)
-    # The batches of the targets (1 and 64) first, then the others: the figures are written after
-    # each group, so a part cut at its time limit keeps the targets' rows.
-    report: dict = {}
-    for group in (shape.batch_sizes[:2], shape.batch_sizes[2:]):
-        if not group:
-            continue
-        part = bench_engine(dataclasses.replace(shape, batch_sizes=group), str(json_path))
-        if not report:
-            report = part  # (its verify_k4_b16 and bound settings; the next group's rows are added)
-        else:
-            report["rows"] = sorted(report["rows"] + part["rows"], key=lambda r: r["batch"])
-        report["shape"] = dataclasses.asdict(shape) | {"batch_sizes_done": [r["batch"] for r in report["rows"]]}
-        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        device, dtype = "cuda", "bfloat16"
+        gbps = datasheet_gbps(torch.cuda.get_device_name(0)) or 3350.0
+    shape = BenchShape(model_size=shapes.model_size, batch_sizes=list(shapes.batch_sizes), prompt_len=shapes.prompt_len,
+                       new_tokens=shapes.new_tokens, dtype=dtype, device=device, kv_caches=list(shapes.kv_caches),
+                       hbm_gbps=gbps, repeats=shapes.repeats)
+    hf, model, sd, torch_dtype = _engine_models(shape, device)
+    elsize = torch.finfo(torch_dtype).bits // 8
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "shape": dataclasses.asdict(shape), "model": MODEL_SIZES[shape.model_size],
+                    "weights_bytes": sum(p.numel() for p in model.parameters()) * elsize, "rows": [],
+                    "verify_k4_b16": {}}
+    rows.add("models built", weights_bytes=report["weights_bytes"])
+    for batch in shape.batch_sizes:  # the targets' batches (1, 64) first: a cut part keeps them
+        row = {"batch": batch, "hf_tok_s": _bench_hf(hf, model.args, shape, batch),
+               **_bound(model, shape, batch, elsize)}
+        rows.add(f"batch {batch} generate", **row)
+        for kv in shape.kv_caches:
+            row[kv] = _bench_engine(model, sd, shape, kv, batch)
+            row[kv]["speedup_vs_hf"] = row[kv]["engine_tok_s"] / row["hf_tok_s"]
+            row[kv]["frac_of_bound"] = row[kv]["engine_tok_s"] / row["bound_tok_s"]
+            rows.add(f"batch {batch} {kv}", batch=batch, kv=kv, **row[kv])
+        report["rows"].append(row)
+    if shapes.verify:
+        for kv in shape.kv_caches:
+            report["verify_k4_b16"][kv] = _verify_cost(model, sd, shape, kv)
+            rows.add(f"verify k4 b16 {kv}", kv=kv, **report["verify_k4_b16"][kv])
+    from megarl.engine import EngineConfig
+
     fields = [f.name for f in dataclasses.fields(EngineConfig)]
     graph_fields = [f for f in fields if "graph" in f]
-    # Issue 25 item 3 (a CUDA graph pool) adds the option; until then only the eager engine exists.
     report["cuda_graphs"] = ({"status": "not built", "why": f"EngineConfig has no CUDA graph option (fields: "
                                                             f"{', '.join(fields)})"} if not graph_fields else
                              {"status": "option exists but the runbook does not drive it yet", "fields": graph_fields})
@@ -150,18 +199,16 @@ def engine_part(json_path: Path, dry_run: bool) -> dict:
 SMOLLM2_BODY = ["model.model_type=llama", "model.hidden_size=576", "model.intermediate_size=1536",
                 "model.num_hidden_layers=30", "model.num_attention_heads=9", "model.num_key_value_heads=3",
                 "model.rope_theta=100000", "model.tie_word_embeddings=true"]
-# 60 SFT steps (as configs/smoke.yaml) so that groups hold mixed rewards and GRPO really moves the
-# policy (with all-zero rewards the weights never change and bubble drafts are exact copies: the
-# speedup would be the ceiling; the report says which it was). sft.lr 1e-3 instead of smoke's 3e-3
-# for a 30-layer model: a guess, not measured.
-GRPO_GPU = [*SMOLLM2_BODY, "rollout.device=cuda", "rollout.dtype=bfloat16", "rl_steps=6", "checkpoint_every=0",
-            "sft.steps=60", "sft.lr=0.001", "rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
-            "rollout.dump=true", "progress=false", "schedule.bubble_priority=normal"]
+# SFT steps first (GrpoShapes.sft_steps, as configs/smoke.yaml) so that groups hold mixed rewards
+# and GRPO really moves the policy (with all-zero rewards the weights never change and bubble
+# drafts are exact copies: the speedup would be the ceiling; the report says which it was).
+# sft.lr 1e-3 instead of smoke's 3e-3 for a 30-layer model: a guess, not measured.
+GRPO_GPU = [*SMOLLM2_BODY, "rollout.device=cuda", "rollout.dtype=bfloat16", "checkpoint_every=0", "sft.lr=0.001",
+            "rollout.max_batch_size=128", "rollout.dump=true", "progress=false", "schedule.bubble_priority=normal"]
 GRPO_DRY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "rl_steps=2", "checkpoint_every=0",
-            "sft.steps=1", "sft.batch_size=4", "task.num_prompts=8", "rollout.prompts_per_step=2",
-            "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_batch_size=4", "rollout.dump=true",
-            "progress=false", "trainer.micro_batch_size=4", "schedule.bubble_priority=normal"]
+            "model.num_attention_heads=2", "model.num_key_value_heads=1", "checkpoint_every=0", "sft.batch_size=4",
+            "task.num_prompts=8", "rollout.max_batch_size=4", "rollout.dump=true", "progress=false",
+            "trainer.micro_batch_size=4", "schedule.bubble_priority=normal"]
 SPEC = ["spec.enabled=true", "spec.bubble_pregen=true"]
 STEP_KEYS = ("grad_norm", "step_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "weight_sync_gbps", "weight_sync_bytes",
              "bubble_time_s", "rollout_tokens", "target_forwards", "forward_reduction", "reward_mean",
@@ -169,45 +216,71 @@ STEP_KEYS = ("grad_norm", "step_time_s", "rollout_time_s", "train_time_s", "weig
 
 
 def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    """The complete lines of a JSONL file a running process may be appending to."""
+    if not path.is_file():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            out.append(json.loads(ln))
+        except ValueError:  # the line being written
+            break
+    return out
 
 
-def grpo_overrides(spec: bool, dry_run: bool) -> list[str]:
-    return [*(GRPO_DRY if dry_run else GRPO_GPU), *(SPEC if spec else [])]
+def grpo_overrides(spec: bool, dry_run: bool, shapes: GrpoShapes) -> list[str]:
+    return [*(GRPO_DRY if dry_run else GRPO_GPU), *shapes.overrides(), *(SPEC if spec else [])]
 
 
-def run_grpo(name: str, work: Path, spec: bool, dry_run: bool) -> dict:
-    run_dir = work / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a new run (megarl train refuses a used directory)
-    overrides = grpo_overrides(spec, dry_run)
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "smoke.yaml"),
-           "--run-dir", str(run_dir)] + [x for o in overrides for x in ("--set", o)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    fallback = None
-    if proc.returncode != 0 and "deterministic implementation" in log:
-        # An op without a deterministic CUDA kernel under deterministic: true (the configs'
-        # default) is a finding to record, not a reason to lose the lease's GRPO figures: run
-        # again without it (the spec run does the same, so the two stay comparable).
-        fallback = next((ln for ln in log.splitlines() if "deterministic implementation" in ln), "")[:600]
-        shutil.rmtree(run_dir, ignore_errors=True)
-        overrides.append("deterministic=false")
-        cmd += ["--set", "deterministic=false"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True)
-        log += "\n--- again with deterministic=false ---\n" + proc.stdout + proc.stderr
-    wall = time.perf_counter() - t0
-    (work / f"{name}.train.log").write_text(log)
-    if proc.returncode != 0:
-        raise RuntimeError(f"megarl train exited {proc.returncode}: {log[-1500:]}")
-    steps = _jsonl(run_dir / "metrics.jsonl")
-    phases = []
+def _phases(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Seconds per phase per step, summed over ranks' events (timeline.jsonl)."""
+    phases = {}
     for line in _jsonl(run_dir / "timeline.jsonl"):
         acc: dict[str, float] = {}
         for rank in line["ranks"]:
             for ev in rank["events"]:
                 acc[ev["phase"]] = acc.get(ev["phase"], 0.0) + ev["end"] - ev["start"]
-        phases.append({"step": line["step"], **acc})
+        phases[line["step"]] = acc
+    return phases
+
+
+def _train(cmd: list[str], run_dir: Path, log_path: Path, rows: Rows) -> int:
+    """``megarl train`` as a child process; a row per RL step as soon as metrics.jsonl has it."""
+    done = 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            rc = proc.poll()
+            steps = _jsonl(run_dir / "metrics.jsonl")
+            phases = _phases(run_dir) if len(steps) > done else {}
+            for st in steps[done:]:
+                rows.add(f"step {st['step']}", step=st["step"], **{k: st[k] for k in STEP_KEYS if k in st},
+                         phases_s=phases.get(st["step"]))
+            done = len(steps)
+            if rc is not None:
+                return rc
+            time.sleep(0.5)
+
+
+def run_grpo(name: str, work: Path, spec: bool, dry_run: bool, shapes: GrpoShapes, rows: Rows) -> dict:
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a new run (megarl train refuses a used directory)
+    overrides = grpo_overrides(spec, dry_run, shapes)
+    info = work / f"{name}.child.json"
+    info.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "megarl.bench.gpu_child", str(info), "megarl.cli", "train", "--config",
+           str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run_dir),
+           *[x for o in overrides for x in ("--set", o)]]
+    t0 = time.perf_counter()
+    log_path = work / f"{name}.train.log"
+    rc = _train(cmd, run_dir, log_path, rows)
+    wall = time.perf_counter() - t0
+    log = log_path.read_text(errors="replace")
+    if rc != 0:
+        raise RuntimeError(f"megarl train exited {rc}: {log[-1500:]}")
+    child = json.loads(info.read_text()) if info.is_file() else {}
+    steps = _jsonl(run_dir / "metrics.jsonl")
+    phases = [{"step": k, **v} for k, v in sorted(_phases(run_dir).items())]
     # "parallel init: backend=nccl world=1 ..." and "process layout: colocated: ..." (the log's own words)
     layout = "; ".join(ln.split(" INFO ", 1)[-1] for ln in log.splitlines()
                        if "parallel init: " in ln or "process layout: " in ln) or None
@@ -218,7 +291,7 @@ def run_grpo(name: str, work: Path, spec: bool, dry_run: bool) -> dict:
         summary[f"{key}_median"] = statistics.median(vals) if vals else None
     sft = json.loads((run_dir / "sft.json").read_text()) if (run_dir / "sft.json").is_file() else {}
     return {"overrides": overrides, "command": " ".join(cmd), "wall_s": wall, "layout": layout, "sft": sft,
-            "deterministic_fallback": fallback,
+            "nondeterministic_ops": child.get("nondeterministic_ops", []), "peak_gib": child.get("peak_gib"),
             "steps": [{k: s[k] for k in STEP_KEYS if k in s} | {"step": s["step"]} for s in steps],
             "phases_s": phases, "summary_after_step1": summary, "run_dir": str(run_dir)}
 
@@ -230,7 +303,7 @@ def _rollouts(run_dir: Path) -> dict[int, dict[tuple[int, int], list[int]]]:
 
 def compare_runs(plain: Path, spec: Path, plain_steps: list[dict], spec_steps: list[dict]) -> dict:
     """Exactness and rollout speedup of the spec run against the plain one, per step."""
-    from megarl.bench.gpu_parts import divergence
+    from megarl.bench.gpu_identity import divergence
 
     a, b = _rollouts(plain), _rollouts(spec)
     per_step, first_diff = [], None
@@ -252,9 +325,9 @@ def compare_runs(plain: Path, spec: Path, plain_steps: list[dict], spec_steps: l
             "rollout_speedup_steps2plus": speedup, "steps_compared": len(per_step), "per_step": per_step}
 
 
-def grpo_part(spec: bool, work: Path, dry_run: bool) -> dict:
+def grpo_part(spec: bool, work: Path, dry_run: bool, shapes: GrpoShapes, rows: Rows) -> dict:
     name = "grpo_spec" if spec else "grpo"
-    out = run_grpo(name, work, spec, dry_run)
+    out = run_grpo(name, work, spec, dry_run, shapes, rows)
     if spec:
         plain_dir = work / "grpo"
         plain_steps = _jsonl(plain_dir / "metrics.jsonl")
@@ -270,21 +343,22 @@ def grpo_part(spec: bool, work: Path, dry_run: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megarl.bench.gpu_runs", description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=["pytest", "engine", "grpo", "grpo_spec"])
-    p.add_argument("--json", required=True, help="where to write the part's figures")
+    p.add_argument("--rows", required=True, help="the part's JSONL file (rows as they finish, then the result)")
+    p.add_argument("--shapes", default="{}", help="the part's section of the runbook's shapes, as JSON")
     p.add_argument("--work-dir", required=True, help="scratch folder (shared by the parts of one runbook run)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     a = p.parse_args(argv)
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    rows, shapes = Rows(a.rows), json.loads(a.shapes)
     ok = True
     if a.part == "pytest":
-        figures, ok = pytest_part(work, Path(a.json), a.dry_run)
+        figures, ok = pytest_part(work, rows, from_dict(PytestShapes, shapes), a.dry_run)
     elif a.part == "engine":
-        figures = engine_part(Path(a.json), a.dry_run)
+        figures = engine_part(rows, from_dict(EngineShapes, shapes), a.dry_run)
     else:
-        figures = grpo_part(a.part == "grpo_spec", work, a.dry_run)
-    figures["dry_run"] = a.dry_run
-    Path(a.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        figures = grpo_part(a.part == "grpo_spec", work, a.dry_run, from_dict(GrpoShapes, shapes), rows)
+    rows.result({**figures, "dry_run": a.dry_run})
     return 0 if ok else 1
 
 
