@@ -20,19 +20,12 @@ import torch.nn.functional as F
 
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.parallel.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -45,7 +38,6 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
     """Megatron ``TransformerConfig`` equivalent to the HF architecture of ``args``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cpu = dims.device.type == "cpu"
     return TransformerConfig(
         **_moe_config(args, dims),
         qk_layernorm=args.qk_norm,
@@ -70,11 +62,14 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        # Fused CUDA kernels (bias+gelu/swiglu, bias+dropout+add, masked softmax, rope) do not
-        # exist on CPU; their unfused torch fallbacks give the same math.
-        bias_activation_fusion=not cpu,
-        bias_dropout_fusion=not cpu,
-        masked_softmax_fusion=not cpu,
+        # Off on every device: Megatron's bias+swiglu and bias+dropout+add fusions go through
+        # torch.compile (megatron/core/jit.py), a cold compile on every fresh process of a GPU run
+        # on a path the CPU tests never take, for no gain here (no linear biases, no dropout);
+        # the masked-softmax kernel is never reached (megarl's attention is SDPA). The unfused
+        # torch code is the same math.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         # Deterministic reductions: the exactness contract (docs/design.md §1).
@@ -161,7 +156,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # without the [b*heads, s, s] score and probability tensors, and packed sequences.
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
-                "importable" if have_transformer_engine() else "not importable")
+                "importable" if transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype)
     seed_megatron(seed, dims)
     model = GPTModel(

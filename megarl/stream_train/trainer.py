@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megarl.models.config import ModelArgs
 from megarl.checkpoint.convert import load_piece, read_hf_piece
 from megarl.models.init_weights import init_hf_state
+from megarl.parallel.collectives import group_device
 from megarl.parallel.dist import ParallelDims, trainer_world
 from megarl.stream_train import step_metrics
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
@@ -301,7 +302,7 @@ class Trainer(TrainerState):
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's ``t`` on every stage (others pass a buffer of the same shape)."""
         if self.dims.pp > 1:
-            t = t.to(self.dims.device)
+            t = t.to(group_device(self.dims.pp_group))
             dist.broadcast(t, group=self.dims.pp_group, group_src=self.dims.pp - 1)
         return t.cpu()
 
@@ -394,7 +395,7 @@ class Trainer(TrainerState):
         if self.dims.pp > 1:  # only the last stage ran loss_fn
             box = [sums]
             dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
-                                       device=self.dims.device)
+                                       device=group_device(self.dims.pp_group))
             sums = box[0]
         out = step_metrics.scaled(step_metrics.all_reduce(sums, self.dims), scale)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
