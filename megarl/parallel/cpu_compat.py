@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from megarl.parallel.cpu_compat_optimizer import patch_float16_optimizer
+
 logger = logging.getLogger(__name__)
 
 _installed = False
@@ -392,6 +394,7 @@ _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
     _patch_clip_grads,
+    patch_float16_optimizer,
     _patch_tied_embedding_copy,
     _patch_moe_router_fp64,
     _patch_moe_host_splits,

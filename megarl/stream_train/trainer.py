@@ -69,12 +69,15 @@ class TrainerConfig:
     order) packed up to this many tokens, a longer row alone. Not with virtual pipeline stages
     (their micro-batches are ``micro_batch_size`` rows of one shape). 0: ``micro_batch_size`` rows."""
     dtype: str = "float32"
-    """Parameter and compute dtype: ``float32`` or ``float64`` (exactness tests on CPU)."""
+    """Parameter and compute dtype: ``float32``, ``bfloat16`` (mixed precision: bf16 weights and
+    matmuls, fp32 master weights, gradients and Adam state, gradients reduced in fp32, logprobs
+    and the loss in fp32) or ``float64`` (exactness tests on CPU)."""
 
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: ['float32', 'float64']")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: "
+                             f"['float32', 'bfloat16', 'float64']")
         check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
         check_number("trainer.micro_batch_tokens", self.micro_batch_tokens, ge=0, integer=True,
                      note="0 = micro-batches of micro_batch_size rows")
@@ -108,6 +111,7 @@ class Trainer(TrainerState):
                                                finalize_model_grads)
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
+        self.mixed_precision = self.dtype == torch.bfloat16
         if self.dtype == torch.float64 and dims.device.type == "cuda":
             raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
@@ -125,7 +129,9 @@ class Trainer(TrainerState):
             # equivalent starts.
             hf_state = init_hf_state(args, seed, self.dtype)
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=False,  # grads keep the param dtype (fp64 stays fp64)
+            # bf16: gradients accumulate and are all-reduced in fp32 (the main_grad buffers the
+            # mixed-precision optimizer reads); fp32 and fp64 keep the param dtype.
+            grad_reduce_in_fp32=self.mixed_precision,
             overlap_grad_reduce=False,
             use_distributed_optimizer=False,
             check_for_nan_in_grad=True,
@@ -179,7 +185,10 @@ class Trainer(TrainerState):
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, params_dtype=self.dtype, bf16=False, fp16=False,
+            clip_grad=cfg.clip_grad, params_dtype=self.dtype, fp16=False,
+            # bf16: Megatron's mixed-precision optimizer, fp32 master copies of the bf16 weights
+            # (main_params_dtype) and fp32 gradients and moments; no loss scaling in bf16.
+            bf16=self.mixed_precision, main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
             use_distributed_optimizer=False,
         )
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
