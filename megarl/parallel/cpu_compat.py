@@ -48,6 +48,8 @@ _SHIMMED_MODULES = {
     "megatron.core.distributed.finalize_model_grads": "current_device",
     # The optimizers keep found_inf / overflow buffers / grad-scale tensors on device='cuda'.
     "megatron.core.optimizer.optimizer": "device='cuda'",
+    # The distributed optimizer allocates loaded moments on ``torch.cuda.current_device()``.
+    "megatron.core.optimizer.distrib_optimizer": "current_device in load_state_dict",
     # Grad-norm / clip / count-zeros buffers are created with device='cuda'.
     "megatron.core.optimizer.clip_grads": "device='cuda'",
     # local_multi_tensor_l2_norm (the apex/TE-free fallback) returns its norm on device='cuda'.

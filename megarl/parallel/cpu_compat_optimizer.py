@@ -4,7 +4,9 @@
 ``Float16OptimizerWithFloat16Params`` (Megatron's bf16 optimizer: fp32 master copies of the bf16
 weights) sorts the parameters by ``Tensor.type()`` names, ``torch.cuda.BFloat16Tensor`` and
 ``torch.cuda.FloatTensor``, and refuses any other: a CPU bf16 parameter (``torch.BFloat16Tensor``)
-is refused. The sort is the only CUDA-specific part; its device buffers come from the torch proxy.
+is refused; ``DistributedOptimizer`` (ZeRO-1) sorts its parameters the same way. The sort is the
+only CUDA-specific part; their device buffers come from the torch proxy (cpu_compat's shimmed
+modules).
 """
 from __future__ import annotations
 
@@ -22,15 +24,7 @@ def _cuda_type_names(real_type):
     return type_
 
 
-def patch_float16_optimizer() -> None:
-    """Run ``Float16OptimizerWithFloat16Params.__init__`` with CPU tensors' types named as their
-    CUDA twins, so that it sorts bf16 parameters into its fp32-master groups as on GPU."""
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as Opt
-
-    init = Opt.__init__
-    if getattr(init, "_megarl_cpu", False):
-        return
-
+def _with_cuda_type_names(init):
     def __init__(self, *args, **kwargs):
         real_type = torch.Tensor.type
         torch.Tensor.type = _cuda_type_names(real_type)
@@ -41,4 +35,16 @@ def patch_float16_optimizer() -> None:
 
     __init__._megarl_cpu = True
     __init__.__doc__ = init.__doc__
-    Opt.__init__ = __init__
+    return __init__
+
+
+def patch_float16_optimizer() -> None:
+    """Run the ``__init__`` of ``Float16OptimizerWithFloat16Params`` and of ``DistributedOptimizer``
+    (which sorts its parameters the same way) with CPU tensors' types named as their CUDA twins,
+    so that they sort parameters into their groups as on GPU."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        if not getattr(cls.__init__, "_megarl_cpu", False):
+            cls.__init__ = _with_cuda_type_names(cls.__init__)

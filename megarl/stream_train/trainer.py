@@ -72,12 +72,19 @@ class TrainerConfig:
     """Parameter and compute dtype: ``float32``, ``bfloat16`` (mixed precision: bf16 weights and
     matmuls, fp32 master weights, gradients and Adam state, gradients reduced in fp32, logprobs
     and the loss in fp32) or ``float64`` (exactness tests on CPU)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1): the master weights and Adam moments are sharded
+    over the data-parallel ranks (each holds 1/DP of them), gradients are reduce-scattered and
+    the updated weights all-gathered. Same update as without it, up to rounding."""
 
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: "
                              f"['float32', 'bfloat16', 'float64']")
+        if self.distributed_optimizer and self.dtype == "float64":
+            raise ValueError("trainer.distributed_optimizer=true needs trainer.dtype float32 or bfloat16 (Megatron's "
+                             "distributed optimizer takes no fp64 parameters); got trainer.dtype=float64")
         check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
         check_number("trainer.micro_batch_tokens", self.micro_batch_tokens, ge=0, integer=True,
                      note="0 = micro-batches of micro_batch_size rows")
@@ -133,7 +140,7 @@ class Trainer(TrainerState):
             # mixed-precision optimizer reads); fp32 and fp64 keep the param dtype.
             grad_reduce_in_fp32=self.mixed_precision,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
             check_for_nan_in_grad=True,
         )
         # One model chunk per virtual pipeline stage of this rank (one without vpp), each wrapped
@@ -189,10 +196,11 @@ class Trainer(TrainerState):
             # bf16: Megatron's mixed-precision optimizer, fp32 master copies of the bf16 weights
             # (main_params_dtype) and fp32 gradients and moments; no loss scaling in bf16.
             bf16=self.mixed_precision, main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
         )
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
-        # the non-distributed optimizer does not need them.
+        # the optimizers do not need them here (the distributed one's checkpoints are per-rank
+        # shards, trainer_state.py, not Megatron's gloo gather to DP rank 0).
         with trainer_world(self.dims):  # it aligns parameter groups over the "world": the trainers
             self.optimizer = get_megatron_optimizer(opt_cfg, self.models, use_gloo_process_groups=False,
                                                     pg_collection=self.dims.pg_collection)

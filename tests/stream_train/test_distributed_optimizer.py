@@ -1,0 +1,71 @@
+"""``trainer.distributed_optimizer``: Megatron's DistributedOptimizer (ZeRO-1) over DP=2 on gloo
+ends at the weights of the plain optimizer (fp32, rounding level), resumes bitwise from a
+checkpoint whose optimizer state is sharded per DP rank, and holds half the optimizer bytes."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.checkpoint.rl_state import load_checkpoint, optimizer_shard_file
+from megarl.stream_train.trainer import Trainer, TrainerConfig
+
+from .launch import torchrun
+
+WORKER = Path(__file__).parent / "dist_opt_worker.py"
+
+
+@pytest.fixture(scope="module")
+def fp32_dp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_opt")
+    torchrun(WORKER, 2, str(out), "float32")
+    return out, torch.load(out / "result.pt")
+
+
+@pytest.mark.multiproc
+def test_sharded_optimizer_ends_at_the_plain_weights(fp32_dp2):
+    _, res = fp32_dp2
+    plain, sharded = res[False], res[True]
+    for m1, m2 in zip(plain["metrics"], sharded["metrics"]):
+        assert m1["loss"] == m2["loss"]  # the forward is the same until the weights differ by rounding
+        assert abs(m1["grad_norm"] - m2["grad_norm"]) < 1e-6 * m1["grad_norm"]
+    w1, w2 = plain["weights"], sharded["weights"]
+    # 4 Adam steps at lr 1e-2 move weights by ~4e-2; the norm's summation order differs (shards), so the
+    # clip factor differs in the last bits: rounding level, three orders below the update
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 2e-5
+
+
+@pytest.mark.multiproc
+def test_sharded_optimizer_resumes_bitwise(fp32_dp2):
+    out, res = fp32_dp2
+    want, got = res[True]["weights"], res["resumed"]["weights"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    ckpt = out / "run" / "checkpoints" / "step_000002"
+    assert (ckpt / optimizer_shard_file(0, 0, 1)).exists()  # DP rank 1's shard, in its own file
+
+
+@pytest.mark.multiproc
+def test_sharded_optimizer_halves_the_optimizer_bytes(fp32_dp2):
+    _, res = fp32_dp2
+    plain, sharded = res[False]["opt_bytes"], res[True]["opt_bytes"]
+    assert plain[0] == plain[1] > 0
+    # each rank holds Adam's two fp32 moments of its half of the parameters (the split follows the
+    # buckets' padded ranges, so the halves differ by a few elements) and together they hold it all
+    assert sum(sharded) == plain[0], (plain, sharded)
+    assert max(sharded) <= 0.51 * plain[0], (plain, sharded)
+
+
+@pytest.mark.multiproc
+def test_resume_at_another_dp_size_is_refused(fp32_dp2, dims, make_args):
+    out, _ = fp32_dp2
+    state, _ = load_checkpoint(out / "run" / "checkpoints" / "step_000002")
+    tr = Trainer(make_args("qwen2", tie=True), TrainerConfig(micro_batch_size=2, distributed_optimizer=True), dims)
+    with pytest.raises(ValueError, match="data-parallel size it was saved with"):
+        tr.load_state_dict(state)
+    plain = Trainer(make_args("qwen2", tie=True), TrainerConfig(micro_batch_size=2), dims)
+    with pytest.raises(ValueError, match="resume with trainer.distributed_optimizer=True"):
+        plain.load_state_dict(state)
+
+
+def test_fp64_is_refused():
+    with pytest.raises(ValueError, match="distributed_optimizer"):
+        TrainerConfig(dtype="float64", distributed_optimizer=True)
