@@ -76,14 +76,20 @@ class TrainerState:
         sd = {
             # one local state dict per model chunk (one without virtual pipeline stages)
             "model": [{k: v.detach().clone() for k, v in sd.items()} for sd in self.local_pieces().values()],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self._stepped() else None,
             "steps_done": self.steps_done,
             "lr": self.lr,
         }
         if self.cfg.distributed_optimizer:
             sd["optimizer_shard"] = {"dp": self.dims.dp, "dp_rank": self.dims.dp_rank,
-                                     "state": [_shard_state(opt) for opt in self._optimizers()]}
+                                     "state": [_shard_state(opt) for opt in self._optimizers()]
+                                     if self._stepped() else None}
         return sd
+
+    def _stepped(self) -> bool:
+        """The optimizer has state (it took a step). A fresh distributed optimizer's state_dict
+        fails (Megatron reads the step count from the moments): its checkpoint says None, fresh."""
+        return not self.cfg.distributed_optimizer or any(opt.optimizer.state for opt in self._optimizers())
 
     def _optimizers(self) -> list:
         """The Megatron optimizers under the (chained) optimizer."""
@@ -115,8 +121,11 @@ class TrainerState:
         for m, local in zip(self.models, models):
             load_state(m.module, local)
         self._check_optimizer_kind(sd)
-        self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
-        if self.cfg.distributed_optimizer:
+        if sd["optimizer"] is None:  # saved before the optimizer's first step
+            self._build_optimizer()
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        if self.cfg.distributed_optimizer and sd["optimizer"] is not None:
             with torch.no_grad():  # (fp32: the master shards are views of the weights, which require grad)
                 for opt, state in zip(self._optimizers(), sd["optimizer_shard"]["state"]):
                     opt.load_parameter_state_from_dp_reshardable(copy.deepcopy(state))

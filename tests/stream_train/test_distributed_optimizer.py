@@ -10,6 +10,7 @@ from megarl.checkpoint.rl_state import load_checkpoint, optimizer_shard_file
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 
 from .launch import torchrun
+from .test_trainer import make_batch, nll_loss
 
 WORKER = Path(__file__).parent / "dist_opt_worker.py"
 
@@ -69,3 +70,18 @@ def test_resume_at_another_dp_size_is_refused(fp32_dp2, dims, make_args):
 def test_fp64_is_refused():
     with pytest.raises(ValueError, match="distributed_optimizer"):
         TrainerConfig(dtype="float64", distributed_optimizer=True)
+
+
+def test_fresh_sharded_optimizer_checkpoints(dims, make_args):
+    """A checkpoint taken before the first step (after SFT's optimizer reset) resumes as fresh."""
+    args = make_args("qwen2")
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, distributed_optimizer=True)
+    batch = make_batch(args)
+    run = Trainer(args, cfg, dims, seed=5)
+    ckpt = run.state_dict()
+    run.train_step(batch, nll_loss)
+    resumed = Trainer(args, cfg, dims, seed=6)
+    resumed.load_state_dict(ckpt)
+    resumed.train_step(batch, nll_loss)
+    want, got = run.hf_state_dict(), resumed.hf_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
