@@ -72,6 +72,11 @@ class TrainerConfig:
     """Parameter and compute dtype: ``float32``, ``bfloat16`` (mixed precision: bf16 weights and
     matmuls, fp32 master weights, gradients and Adam state, gradients reduced in fp32, logprobs
     and the loss in fp32) or ``float64`` (exactness tests on CPU)."""
+    recompute: str = "none"
+    """Activation recompute (Megatron's recompute_granularity): ``none`` keeps every activation
+    for the backward; ``selective`` recomputes each layer's core attention and MLP in the
+    backward; ``full`` recomputes each whole layer from its input (least memory, one more forward
+    of the layers). The same gradients, up to rounding."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1): the master weights and Adam moments are sharded
     over the data-parallel ranks (each holds 1/DP of them), gradients are reduce-scattered and
@@ -82,6 +87,9 @@ class TrainerConfig:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: "
                              f"['float32', 'bfloat16', 'float64']")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"trainer.recompute={self.recompute!r} is invalid; valid choices: "
+                             f"['none', 'selective', 'full']")
         if self.distributed_optimizer and self.dtype == "float64":
             raise ValueError("trainer.distributed_optimizer=true needs trainer.dtype float32 or bfloat16 (Megatron's "
                              "distributed optimizer takes no fp64 parameters); got trainer.dtype=float64")
@@ -147,7 +155,7 @@ class Trainer(TrainerState):
         # in its own DDP as Megatron's get_model does (bucketing only for the first chunk).
         self.models = []
         for chunk in range(dims.vpp):
-            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk)
+            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute)
             if hf_dir is not None:
                 load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
