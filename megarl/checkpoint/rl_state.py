@@ -115,6 +115,8 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
             **loop_state}
+    if trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
+        meta["trainer_optimizer_dp"] = trainer_state["optimizer_shard"]["dp"]  # the DP size a resume needs
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
             _write_rank_files(tmp, rank_files)
@@ -206,6 +208,7 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     vpp = dims.vpp if dims is not None else 1
     saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1), loop_state.pop("trainer_vpp", 1))
+    loop_state.pop("trainer_optimizer_dp", None)  # checked by the trainer (and train.py before the start)
     if saved != (tp, pp, vpp):
         raise ValueError(f"checkpoint {path} was written with trainer_tp={saved[0]}, trainer_pp={saved[1]}, "
                          f"trainer_vpp={saved[2]}; this run has trainer_tp={tp}, trainer_pp={pp}, trainer_vpp={vpp}: "

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megarl.checkpoint.rl_state import load_checkpoint, optimizer_shard_file
+from megarl.config import load_config
 from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.train import RunDirError, check_run_dir
 
 from .launch import torchrun
 from .test_trainer import make_batch, nll_loss
@@ -85,6 +87,11 @@ def test_resume_at_another_dp_size_is_refused(fp32_dp2, dims, make_args):
     plain = Trainer(make_args("qwen2", tie=True), TrainerConfig(micro_batch_size=2), dims)
     with pytest.raises(ValueError, match="resume with trainer.distributed_optimizer=True"):
         plain.load_state_dict(state)
+    # and `megarl train --resume` refuses both before it loads anything (this process: a world of one)
+    for overrides, match in ((["trainer.distributed_optimizer=true"], "data-parallel size is 1: resume with 2"),
+                             ([], "written with trainer.distributed_optimizer=True")):
+        with pytest.raises(RunDirError, match=match):
+            check_run_dir(out / "run", True, load_config(None, overrides))
 
 
 def test_fp64_is_refused():
