@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.parallel.cpu_compat_optimizer import patch_float16_optimizer
+from megarl.parallel.cpu_compat_optimizer import patch_optimizer_param_sort
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
     _patch_clip_grads,
-    patch_float16_optimizer,
+    patch_optimizer_param_sort,
     _patch_tied_embedding_copy,
     _patch_moe_router_fp64,
     _patch_moe_host_splits,

@@ -1,5 +1,5 @@
-"""Megatron-core's mixed-precision optimizer on CPU (part of the CPU compatibility layer,
-:mod:`megarl.parallel.cpu_compat`, which applies these patches with its others).
+"""Megatron-core's mixed-precision and distributed optimizers on CPU (part of the CPU
+compatibility layer, :mod:`megarl.parallel.cpu_compat`, which applies this patch with its others).
 
 ``Float16OptimizerWithFloat16Params`` (Megatron's bf16 optimizer: fp32 master copies of the bf16
 weights) sorts the parameters by ``Tensor.type()`` names, ``torch.cuda.BFloat16Tensor`` and
@@ -38,7 +38,7 @@ def _with_cuda_type_names(init):
     return __init__
 
 
-def patch_float16_optimizer() -> None:
+def patch_optimizer_param_sort() -> None:
     """Run the ``__init__`` of ``Float16OptimizerWithFloat16Params`` and of ``DistributedOptimizer``
     (which sorts its parameters the same way) with CPU tensors' types named as their CUDA twins,
     so that they sort parameters into their groups as on GPU."""
