@@ -216,8 +216,12 @@ class Trainer(TrainerState):
 
     def reset_optimizer(self) -> None:
         """Drop the optimizer's state (Adam moments and step count), keeping the weights: a new
-        phase (SFT -> RL) starts from a fresh optimizer, so RL's first updates are RL's alone."""
+        phase (SFT -> RL) starts from a fresh optimizer, so RL's first updates are RL's alone.
+        In bf16 the weights kept are the fp32 master weights (a fresh optimizer would copy them
+        from the bf16 weights, dropping what bf16 rounds off)."""
+        masters = self.master_weights()
         self._build_optimizer()
+        self.restore_master_weights(masters)
 
     @property
     def model(self):

@@ -86,6 +86,18 @@ class TrainerState:
                                      if self._stepped() else None}
         return sd
 
+    def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Copies of the optimizer's fp32 master weights (this rank's shards with the distributed
+        optimizer) by model parameter; empty when the weights are their own masters (fp32, fp64)."""
+        return {p: p.main_param.detach().clone() for m in self.models for p in m.module.parameters()
+                if getattr(p, "main_param", None) is not None}
+
+    def restore_master_weights(self, masters: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Write :meth:`master_weights`' copies back into the (same layout's) optimizer."""
+        with torch.no_grad():
+            for p, main in masters.items():
+                p.main_param.copy_(main)
+
     def _stepped(self) -> bool:
         """The optimizer has state (it took a step). A fresh distributed optimizer's state_dict
         fails (Megatron reads the step count from the moments): its checkpoint says None, fresh."""

@@ -105,3 +105,21 @@ def test_bf16_is_a_valid_dtype():
     assert TrainerConfig(dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16"):
         TrainerConfig(dtype="float16")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_bf16_optimizer_reset_keeps_the_masters(dims, make_args, sharded):
+    """SFT -> RL resets the optimizer: the moments go, the fp32 master weights stay (not re-derived
+    from the bf16 weights, which would round them)."""
+    args = make_args("qwen2")
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=4, dtype="bfloat16", distributed_optimizer=sharded)
+    trainer = Trainer(args, cfg, dims, hf_state=start(args))
+    for s in range(2):
+        trainer.train_step(make_batch(args, seed=s), nll_loss)
+    before = trainer.master_weights()
+    assert before and any(not torch.equal(m, p.detach().float().reshape(-1)[:m.numel()].reshape(m.shape))
+                          for p, m in before.items())  # they hold more than the bf16 weights
+    trainer.reset_optimizer()
+    after = trainer.master_weights()
+    assert after.keys() == before.keys() and all(torch.equal(after[p], before[p]) for p in before)
+    assert not any(opt.optimizer.state for opt in trainer._optimizers())  # the moments are gone
