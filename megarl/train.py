@@ -153,12 +153,31 @@ def _check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
         raise RunDirError(f"checkpoint {ckpt} was written with parallel.trainer_tp/pp/vpp={'/'.join(map(str, saved))}; "
                           f"this run has {p.trainer_tp}/{p.trainer_pp}/{p.trainer_vpp}: resume with the checkpoint's "
                           f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
+    _check_optimizer_shards(ckpt, state.get("trainer_optimizer_dp", 0), cfg)
     if cfg.tail.enabled and "tail" not in state:
         raise RunDirError(f"checkpoint {ckpt} was written without tail batching: resume with tail.enabled=false, "
                           f"or start a new run")
     if cfg.grpo.kl_coef > 0 and state.get("step", 0) > 0 and not (ckpt / "ref.pt").exists():
         raise RunDirError(f"checkpoint {ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
                           f"resume with grpo.kl_coef=0")
+
+
+def _check_optimizer_shards(ckpt: Path, saved_dp: int, cfg: RunConfig) -> None:
+    """A checkpoint of the distributed optimizer (``saved_dp``: its data-parallel size, 0 without
+    it) resumes only with it and at that DP size: each DP rank loads its own shard."""
+    from megarl.parallel.launch_env import detect
+
+    if bool(saved_dp) != cfg.trainer.distributed_optimizer:
+        raise RunDirError(f"checkpoint {ckpt} was written with trainer.distributed_optimizer={bool(saved_dp)}; this "
+                          f"run has {cfg.trainer.distributed_optimizer}: resume with the checkpoint's")
+    if saved_dp:
+        p, world = cfg.parallel, detect().world_size
+        trainers = world - p.rollout_ranks if p.placement == "disaggregated" else world
+        dp = trainers // (p.trainer_tp * p.trainer_pp)
+        if dp != saved_dp:
+            raise RunDirError(f"checkpoint {ckpt} holds the distributed optimizer's state in {saved_dp} data-parallel "
+                              f"shards; this run's data-parallel size is {dp}: resume with {saved_dp} (the "
+                              f"optimizer state is not resharded)")
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: RunInputs | None = None,

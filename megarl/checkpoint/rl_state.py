@@ -92,13 +92,21 @@ def trainer_file(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
     return "trainer.pt" if tp == pp == 1 else f"trainer_tp{tp_rank}_pp{pp_rank}.pt"
 
 
+def optimizer_shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    """The distributed optimizer's shard of data-parallel rank ``dp_rank`` > 0 of model-parallel
+    rank (tp_rank, pp_rank); DP rank 0's shard is in its trainer file."""
+    return f"optimizer_tp{tp_rank}_pp{pp_rank}_dp{dp_rank}.pt"
+
+
 def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any], loop_state: dict[str, Any],
                     keep: int = 2, dims=None, ref_state: dict[str, Any] | None = None,
                     rank_files: dict[str, Any] | None = None) -> Path:
     """Write checkpoint ``step`` (the number of completed RL steps) and prune all but ``keep``.
 
     Every process calls it. The DP-rank-0 process of each (TP, PP) piece writes its trainer state
-    (``trainer_state`` is that process's local Megatron state); rank 0 writes ``state.json`` (with
+    (``trainer_state`` is that process's local Megatron state); with the distributed optimizer
+    (``optimizer_shard`` in it) every other DP rank writes its shard of the optimizer state
+    (:func:`optimizer_shard_file`); rank 0 writes ``state.json`` (with
     the trainer layout, checked on resume), the reference policy ``ref.pt`` and renames the
     finished directory into place. ``rank_files`` ({file name: object}): what this process adds,
     written with ``torch.save`` into the same directory (names must differ between processes).
@@ -107,6 +115,8 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
             **loop_state}
+    if trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
+        meta["trainer_optimizer_dp"] = trainer_state["optimizer_shard"]["dp"]  # the DP size a resume needs
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
             _write_rank_files(tmp, rank_files)
@@ -123,6 +133,10 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
         if dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
             name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
             torch_save(trainer_state, tmp / name)
+            written.append(name)
+        elif dims.trains and "optimizer_shard" in trainer_state:
+            name = optimizer_shard_file(dims.tp_rank, dims.pp_rank, dims.dp_rank)
+            torch_save({"optimizer_shard": trainer_state["optimizer_shard"]}, tmp / name)
             written.append(name)
         written += _write_rank_files(tmp, rank_files)
         _write_sidecar(tmp, written, dims.rank)
@@ -194,18 +208,26 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     vpp = dims.vpp if dims is not None else 1
     saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1), loop_state.pop("trainer_vpp", 1))
+    loop_state.pop("trainer_optimizer_dp", None)  # checked by the trainer (and train.py before the start)
     if saved != (tp, pp, vpp):
         raise ValueError(f"checkpoint {path} was written with trainer_tp={saved[0]}, trainer_pp={saved[1]}, "
                          f"trainer_vpp={saved[2]}; this run has trainer_tp={tp}, trainer_pp={pp}, trainer_vpp={vpp}: "
                          f"resume with the same parallel.trainer_tp/pp/vpp "
-                         f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
+                         f"(resharding a checkpoint is not supported yet; the data-parallel size may change, except with "
+                         f"trainer.distributed_optimizer)")
     if dims is not None and not dims.trains:  # a generating-only process: the loop state is all it needs
         verify_checkpoint(path)
         return {}, loop_state
     name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp) if dims is not None else trainer_file(0, 0, 1, 1)
-    verify_checkpoint(path, read=[name, "ref.pt"])   # what this process loads below
+    # this DP rank's optimizer shard (distributed optimizer; absent at another DP size, which the
+    # trainer then refuses by name, seeing DP rank 0's shard)
+    shard = optimizer_shard_file(dims.tp_rank, dims.pp_rank, dims.dp_rank) if dims is not None and dims.dp_rank else None
+    shard = shard if shard is not None and (path / shard).exists() else None
+    verify_checkpoint(path, read=[name, "ref.pt", *([shard] if shard else [])])   # what this process loads below
     # Our own files, holding Megatron optimizer state (python objects): full unpickling is needed.
     trainer_state = torch.load(path / name, map_location="cpu", weights_only=False)
+    if shard is not None:
+        trainer_state.update(torch.load(path / shard, map_location="cpu", weights_only=False))
     if (path / "ref.pt").exists():
         trainer_state["ref"] = torch.load(path / "ref.pt", map_location="cpu", weights_only=True)
     return trainer_state, loop_state

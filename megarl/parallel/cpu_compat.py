@@ -4,7 +4,8 @@ Megatron-core assumes a GPU in a handful of places: ``torch.cuda.current_device(
 ``device="cuda"`` literals in tensor factories, CUDA streams, the CUDA RNG tracker,
 ``Tensor.type() == 'torch.cuda.FloatTensor'`` assertions, and names that only exist when
 Transformer Engine is installed. On a CUDA-less torch each of these raises, so every patch here
-only replaces behaviour that would otherwise fail; with CUDA present ``install()`` does nothing.
+only replaces behaviour that would otherwise fail; with CUDA present ``install()`` applies only the
+missing-Transformer-Engine patches (a GPU without TE lacks those names too).
 
 How it is done, from least to most invasive:
 - **Scoped torch shim.** Inside the listed Megatron modules (and nowhere else) the module global
@@ -29,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from megarl.parallel.cpu_compat_optimizer import patch_optimizer_param_sort
+
 logger = logging.getLogger(__name__)
 
 _installed = False
@@ -45,6 +48,8 @@ _SHIMMED_MODULES = {
     "megatron.core.distributed.finalize_model_grads": "current_device",
     # The optimizers keep found_inf / overflow buffers / grad-scale tensors on device='cuda'.
     "megatron.core.optimizer.optimizer": "device='cuda'",
+    # The distributed optimizer allocates loaded moments on ``torch.cuda.current_device()``.
+    "megatron.core.optimizer.distrib_optimizer": "current_device in load_state_dict",
     # Grad-norm / clip / count-zeros buffers are created with device='cuda'.
     "megatron.core.optimizer.clip_grads": "device='cuda'",
     # local_multi_tensor_l2_norm (the apex/TE-free fallback) returns its norm on device='cuda'.
@@ -247,7 +252,9 @@ def _patch_clip_grads() -> None:
 
 def _patch_moe_te_names() -> None:
     """``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but the name
-    is only bound when Transformer Engine imports: define it as None so the torch path runs."""
+    is only bound when Transformer Engine imports: define it as None so the torch path runs.
+    Not a CPU patch: a GPU without Transformer Engine hits the same NameError, so
+    :func:`install_te_absent` applies it on any device."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -389,7 +396,7 @@ _PATCHES: list[Callable[[], None]] = [
     _patch_shim_modules,
     _patch_rng_tracker,
     _patch_clip_grads,
-    _patch_moe_te_names,
+    patch_optimizer_param_sort,
     _patch_tied_embedding_copy,
     _patch_moe_router_fp64,
     _patch_moe_host_splits,
@@ -397,10 +404,37 @@ _PATCHES: list[Callable[[], None]] = [
 ]
 
 
+# Patches for a missing Transformer Engine, on CPU and GPU alike (megarl uses Megatron's local
+# layer spec everywhere, so TE is optional on GPU too).
+_TE_ABSENT_PATCHES: list[Callable[[], None]] = [
+    _patch_moe_te_names,
+]
+
+
+def transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def install_te_absent() -> bool:
+    """Apply the patches for a missing Transformer Engine (any device) when TE does not import.
+    Returns True when they were needed. Safe to call any number of times."""
+    if transformer_engine_importable():
+        return False
+    for patch in _TE_ABSENT_PATCHES:
+        patch()
+    return True
+
+
 def install() -> bool:
-    """Apply every CPU patch once. Returns True when the patches are in place (no CUDA), False
-    when CUDA is available and Megatron is left untouched. Safe to call any number of times."""
+    """Apply the patches for a missing Transformer Engine if it is missing (any device), then
+    every CPU patch once. Returns True when the CPU patches are in place (no CUDA), False when
+    CUDA is available and Megatron is left otherwise untouched. Safe to call any number of times."""
     global _installed
+    install_te_absent()
     if torch.cuda.is_available():
         return False
     if not _installed:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.collectives import group_device
 from megarl.utils.fs import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ class PreemptSignals:
                  signals: tuple[signal.Signals, ...] | None = None, record: str | Path | None = None):
         self.group = group
         """Process group the ranks agree over (None: the default group, when initialised)."""
-        self.device = device or torch.device("cpu")
-        """Device of the agreement's one-element tensor (the CUDA device under NCCL)."""
+        self.device = device
+        """Device of the agreement's one-element tensor (None: the group's, ``group_device``)."""
         self.signals = handled_signals() if signals is None else signals
         self.signum = 0
         """The first signal this process received (0: none)."""
@@ -100,7 +101,7 @@ class PreemptSignals:
         """Collective (every rank, once per step): True on every rank if any rank was signalled."""
         flag = self.requested
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+            t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device or group_device(self.group))
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             flag = bool(t.item())
         return flag

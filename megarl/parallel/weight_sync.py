@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from megarl.engine.tp_model import tp_slice
 from megarl.parallel.checksum import byte_checksum, combine_checksums
+from megarl.parallel.collectives import all_gather_single, group_device
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
 from megarl.parallel.buckets import HEADER, Bucket, BucketItem, numel, plan_buckets
@@ -337,7 +338,7 @@ class WeightSync:
                 continue
             per = buf.numel() // b.chunk  # chunks each rank contributes
             out = torch.empty(buf.numel() * size, dtype=torch.uint8, device=d.device)
-            dist.all_gather_single(out, buf, group=group)
+            all_gather_single(out, buf, group=group)
             buf = out
             rec.alloc(buf.numel())
             rec.wire += buf.numel() - buf.numel() // size
@@ -426,9 +427,9 @@ class WeightSync:
                 raise WeightSyncError("weight sync failed:\n" + "\n".join(errors))
             return
         words = [int.from_bytes(bytes.fromhex(digest)[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
-        mine = torch.tensor([len(errors), *words], dtype=torch.int64, device=d.device)
-        every = torch.empty(d.world_size * mine.numel(), dtype=torch.int64, device=d.device)
-        dist.all_gather_single(every, mine)
+        mine = torch.tensor([len(errors), *words], dtype=torch.int64, device=group_device())
+        every = torch.empty(d.world_size * mine.numel(), dtype=torch.int64, device=mine.device)
+        all_gather_single(every, mine)
         every = every.view(d.world_size, -1).cpu()
         if int(every[:, 0].sum()):
             lists: list = [None] * d.world_size

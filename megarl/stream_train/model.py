@@ -20,19 +20,12 @@ import torch.nn.functional as F
 
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.parallel.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -41,13 +34,27 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
-    """Megatron ``TransformerConfig`` equivalent to the HF architecture of ``args``."""
+# Megatron's activation recompute per ``trainer.recompute`` (megarl/stream_train/trainer.py):
+# "selective" recomputes the core attention and the dense MLP of every layer in the backward
+# (recompute_modules; the MLP's [tokens, 2 x ffn] activations are the largest a layer keeps);
+# "full" recomputes each whole layer from its input (uniform, one layer per unit).
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, recompute: str = "none"):
+    """Megatron ``TransformerConfig`` equivalent to the HF architecture of ``args``, with the
+    activation recompute ``recompute`` (a key of :data:`RECOMPUTE`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cpu = dims.device.type == "cpu"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is invalid; valid choices: {list(RECOMPUTE)}")
     return TransformerConfig(
         **_moe_config(args, dims),
+        **RECOMPUTE[recompute],
         qk_layernorm=args.qk_norm,
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
@@ -70,11 +77,14 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        # Fused CUDA kernels (bias+gelu/swiglu, bias+dropout+add, masked softmax, rope) do not
-        # exist on CPU; their unfused torch fallbacks give the same math.
-        bias_activation_fusion=not cpu,
-        bias_dropout_fusion=not cpu,
-        masked_softmax_fusion=not cpu,
+        # Off on every device: Megatron's bias+swiglu and bias+dropout+add fusions go through
+        # torch.compile (megatron/core/jit.py), a cold compile on every fresh process of a GPU run
+        # on a path the CPU tests never take, for no gain here (no linear biases, no dropout);
+        # the masked-softmax kernel is never reached (megarl's attention is SDPA). The unfused
+        # torch code is the same math.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         # Deterministic reductions: the exactness contract (docs/design.md §1).
@@ -140,14 +150,14 @@ def seed_megatron(seed: int, dims: ParallelDims) -> None:
 
 
 def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    chunk: int = 0):
+                    chunk: int = 0, recompute: str = "none"):
     """Megatron ``GPTModel`` of this rank with the local (non-TE) layer spec: the pipeline stage
     ``dims.stage(chunk)`` of ``dims.stages`` (with virtual stages, ``vpp`` > 1, one call per model
     chunk; embedding on the first stage, final norm and output layer on the last) and
     the TP piece ``dims.tp_rank``, the vocab padded to ``mcore_sharding.padded_vocab`` (not padded
     at TP=1); for an MoE model the router and this EP rank's ``num_experts / dims.ep`` experts
     (``SequentialMLP``), with the q/k layernorms of Qwen3. Megatron's own init, seeded by
-    ``seed``, gives the initial weights."""
+    ``seed``, gives the initial weights. ``recompute``: activation recompute (:data:`RECOMPUTE`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -161,8 +171,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # without the [b*heads, s, s] score and probability tensors, and packed sequences.
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
-                "importable" if have_transformer_engine() else "not importable")
-    cfg = transformer_config(args, dims, dtype)
+                "importable" if transformer_engine_importable() else "not importable")
+    cfg = transformer_config(args, dims, dtype, recompute)
     seed_megatron(seed, dims)
     model = GPTModel(
         config=cfg,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.collectives import group_device
+
 
 def is_max(key: str) -> bool:
     """A metric reduced by max, not summed."""
@@ -33,7 +35,7 @@ def all_reduce(values: dict[str, float], dims) -> dict[str, float]:
     for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in values if not is_max(k))),
                      (dist.ReduceOp.MAX, sorted(k for k in values if is_max(k)))):
         if keys:
-            buf = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+            buf = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=group_device(dims.dp_group))
             dist.all_reduce(buf, op=op, group=dims.dp_group)
             out.update(zip(keys, buf.tolist()))
     return out

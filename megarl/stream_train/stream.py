@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.collectives import group_device
 from megarl.rl.grpo import UpdateSpec, grpo_batch, grpo_loss_fn, has_signal, trained_groups
 from megarl.stream_train.logprobs import ref_token_logprobs
 
@@ -84,8 +85,9 @@ class StreamUpdate:
         """The optimizer step, once ``groups`` (every replica's groups of the step) are all in."""
         self.drain()  # what the bubble did not get to
         dims = self.trainer.dims
-        count = torch.tensor([self.tokens, float(self.groups)], dtype=torch.float64, device=dims.device)
+        count = torch.tensor([self.tokens, float(self.groups)], dtype=torch.float64)
         if dims.dp > 1:
+            count = count.to(group_device(dims.dp_group))
             dist.all_reduce(count, group=dims.dp_group)
         tokens, n_groups = count.tolist()
         trained = trained_groups(groups, self.grpo.drop_zero_variance)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megarl.models.config import ModelArgs
 from megarl.checkpoint.convert import load_piece, read_hf_piece
 from megarl.models.init_weights import init_hf_state
+from megarl.parallel.collectives import group_device
 from megarl.parallel.dist import ParallelDims, trainer_world
 from megarl.stream_train import step_metrics
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
@@ -68,12 +69,30 @@ class TrainerConfig:
     order) packed up to this many tokens, a longer row alone. Not with virtual pipeline stages
     (their micro-batches are ``micro_batch_size`` rows of one shape). 0: ``micro_batch_size`` rows."""
     dtype: str = "float32"
-    """Parameter and compute dtype: ``float32`` or ``float64`` (exactness tests on CPU)."""
+    """Parameter and compute dtype: ``float32``, ``bfloat16`` (mixed precision: bf16 weights and
+    matmuls, fp32 master weights, gradients and Adam state, gradients reduced in fp32, logprobs
+    and the loss in fp32) or ``float64`` (exactness tests on CPU)."""
+    recompute: str = "none"
+    """Activation recompute (Megatron's recompute_granularity): ``none`` keeps every activation
+    for the backward; ``selective`` recomputes each layer's core attention and MLP in the
+    backward; ``full`` recomputes each whole layer from its input (least memory, one more forward
+    of the layers). The same gradients, up to rounding."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1): the master weights and Adam moments are sharded
+    over the data-parallel ranks (each holds 1/DP of them), gradients are reduce-scattered and
+    the updated weights all-gathered. Same update as without it, up to rounding."""
 
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: ['float32', 'float64']")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: "
+                             f"['float32', 'bfloat16', 'float64']")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"trainer.recompute={self.recompute!r} is invalid; valid choices: "
+                             f"['none', 'selective', 'full']")
+        if self.distributed_optimizer and self.dtype == "float64":
+            raise ValueError("trainer.distributed_optimizer=true needs trainer.dtype float32 or bfloat16 (Megatron's "
+                             "distributed optimizer takes no fp64 parameters); got trainer.dtype=float64")
         check_number("trainer.micro_batch_size", self.micro_batch_size, ge=1, integer=True)
         check_number("trainer.micro_batch_tokens", self.micro_batch_tokens, ge=0, integer=True,
                      note="0 = micro-batches of micro_batch_size rows")
@@ -107,6 +126,7 @@ class Trainer(TrainerState):
                                                finalize_model_grads)
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
+        self.mixed_precision = self.dtype == torch.bfloat16
         if self.dtype == torch.float64 and dims.device.type == "cuda":
             raise ValueError("trainer.dtype=float64 is a CPU mode for exactness tests: Megatron-core's "
                              "gradient clipping accepts only fp32 gradients on CUDA; use float32")
@@ -124,16 +144,18 @@ class Trainer(TrainerState):
             # equivalent starts.
             hf_state = init_hf_state(args, seed, self.dtype)
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=False,  # grads keep the param dtype (fp64 stays fp64)
+            # bf16: gradients accumulate and are all-reduced in fp32 (the main_grad buffers the
+            # mixed-precision optimizer reads); fp32 and fp64 keep the param dtype.
+            grad_reduce_in_fp32=self.mixed_precision,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
             check_for_nan_in_grad=True,
         )
         # One model chunk per virtual pipeline stage of this rank (one without vpp), each wrapped
         # in its own DDP as Megatron's get_model does (bucketing only for the first chunk).
         self.models = []
         for chunk in range(dims.vpp):
-            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk)
+            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute)
             if hf_dir is not None:
                 load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
@@ -178,11 +200,15 @@ class Trainer(TrainerState):
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, params_dtype=self.dtype, bf16=False, fp16=False,
-            use_distributed_optimizer=False,
+            clip_grad=cfg.clip_grad, params_dtype=self.dtype, fp16=False,
+            # bf16: Megatron's mixed-precision optimizer, fp32 master copies of the bf16 weights
+            # (main_params_dtype) and fp32 gradients and moments; no loss scaling in bf16.
+            bf16=self.mixed_precision, main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+            use_distributed_optimizer=cfg.distributed_optimizer,
         )
         # Gloo side groups cannot be combined with an explicit pg_collection (Megatron refuses);
-        # the non-distributed optimizer does not need them.
+        # the optimizers do not need them here (the distributed one's checkpoints are per-rank
+        # shards, trainer_state.py, not Megatron's gloo gather to DP rank 0).
         with trainer_world(self.dims):  # it aligns parameter groups over the "world": the trainers
             self.optimizer = get_megatron_optimizer(opt_cfg, self.models, use_gloo_process_groups=False,
                                                     pg_collection=self.dims.pg_collection)
@@ -190,8 +216,12 @@ class Trainer(TrainerState):
 
     def reset_optimizer(self) -> None:
         """Drop the optimizer's state (Adam moments and step count), keeping the weights: a new
-        phase (SFT -> RL) starts from a fresh optimizer, so RL's first updates are RL's alone."""
+        phase (SFT -> RL) starts from a fresh optimizer, so RL's first updates are RL's alone.
+        In bf16 the weights kept are the fp32 master weights (a fresh optimizer would copy them
+        from the bf16 weights, dropping what bf16 rounds off)."""
+        masters = self.master_weights()
         self._build_optimizer()
+        self.restore_master_weights(masters)
 
     @property
     def model(self):
@@ -301,7 +331,7 @@ class Trainer(TrainerState):
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's ``t`` on every stage (others pass a buffer of the same shape)."""
         if self.dims.pp > 1:
-            t = t.to(self.dims.device)
+            t = t.to(group_device(self.dims.pp_group))
             dist.broadcast(t, group=self.dims.pp_group, group_src=self.dims.pp - 1)
         return t.cpu()
 
@@ -394,7 +424,7 @@ class Trainer(TrainerState):
         if self.dims.pp > 1:  # only the last stage ran loss_fn
             box = [sums]
             dist.broadcast_object_list(box, group=self.dims.pp_group, group_src=self.dims.pp - 1,
-                                       device=self.dims.device)
+                                       device=group_device(self.dims.pp_group))
             sums = box[0]
         out = step_metrics.scaled(step_metrics.all_reduce(sums, self.dims), scale)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

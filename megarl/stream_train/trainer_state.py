@@ -69,14 +69,60 @@ class TrainerState:
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint: Megatron-named model weights, Megatron optimizer state, lr, steps done. Deep
-        copies, so later steps do not alter a checkpoint kept in memory."""
-        return {
+        copies, so later steps do not alter a checkpoint kept in memory. With the distributed
+        optimizer the optimizer's state is its DP-independent part (param groups, step) and
+        ``optimizer_shard``: this data-parallel rank's shard of the master weights and moments
+        (each DP rank's differs; megarl/checkpoint/rl_state.py writes every rank's)."""
+        sd = {
             # one local state dict per model chunk (one without virtual pipeline stages)
             "model": [{k: v.detach().clone() for k, v in sd.items()} for sd in self.local_pieces().values()],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self._stepped() else None,
             "steps_done": self.steps_done,
             "lr": self.lr,
         }
+        if self.cfg.distributed_optimizer:
+            sd["optimizer_shard"] = {"dp": self.dims.dp, "dp_rank": self.dims.dp_rank,
+                                     "state": [_shard_state(opt) for opt in self._optimizers()]
+                                     if self._stepped() else None}
+        return sd
+
+    def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Copies of the optimizer's fp32 master weights (this rank's shards with the distributed
+        optimizer) by model parameter; empty when the weights are their own masters (fp32, fp64)."""
+        return {p: p.main_param.detach().clone() for m in self.models for p in m.module.parameters()
+                if getattr(p, "main_param", None) is not None}
+
+    def restore_master_weights(self, masters: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Write :meth:`master_weights`' copies back into the (same layout's) optimizer."""
+        with torch.no_grad():
+            for p, main in masters.items():
+                p.main_param.copy_(main)
+
+    def _stepped(self) -> bool:
+        """The optimizer has state (it took a step). A fresh distributed optimizer's state_dict
+        fails (Megatron reads the step count from the moments): its checkpoint says None, fresh."""
+        return not self.cfg.distributed_optimizer or any(opt.optimizer.state for opt in self._optimizers())
+
+    def _optimizers(self) -> list:
+        """The Megatron optimizers under the (chained) optimizer."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer's tensors on this rank: Adam's moments and the fp32 master
+        weights where they are copies (bf16; with the distributed optimizer its master shards,
+        which in fp32 are views of the weights and not counted)."""
+        seen, total = set(), 0
+        weights = {t.untyped_storage().data_ptr() for m in self.models for t in m.module.parameters()}
+        for opt in self._optimizers():
+            inner = opt.optimizer
+            tensors = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+            tensors += [p for group in inner.param_groups for p in group["params"]]
+            for t in tensors:
+                ptr = t.untyped_storage().data_ptr()
+                if t.dim() and ptr not in weights and (ptr, t.storage_offset()) not in seen:
+                    seen.add((ptr, t.storage_offset()))
+                    total += t.numel() * t.element_size()
+        return total
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next ``train_step`` continues the saved run bitwise."""
@@ -86,7 +132,50 @@ class TrainerState:
                              f"{self.dims.vpp}: resume with the layout the run was saved with")
         for m, local in zip(self.models, models):
             load_state(m.module, local)
-        self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        self._check_optimizer_kind(sd)
+        if sd["optimizer"] is None:  # saved before the optimizer's first step
+            self._build_optimizer()
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        if self.cfg.distributed_optimizer and sd["optimizer"] is not None:
+            with torch.no_grad():  # (fp32: the master shards are views of the weights, which require grad)
+                for opt, state in zip(self._optimizers(), sd["optimizer_shard"]["state"]):
+                    opt.load_parameter_state_from_dp_reshardable(copy.deepcopy(state))
+                    # Without apex/TE, DistributedOptimizer.load_state_dict gives every parameter the
+                    # same ``step`` tensor, which torch's Adam then increments once per parameter:
+                    # from the next step on the bias correction would be wrong. One each.
+                    for param_state in opt.optimizer.state.values():
+                        if torch.is_tensor(param_state.get("step")):
+                            param_state["step"] = param_state["step"].clone()
         self.lr = float(sd.get("lr", self.cfg.lr))  # the lr in effect when saved
         self._apply_lr_and_wd()  # weight decay: this run's config
         self.steps_done = int(sd["steps_done"])
+
+    def _check_optimizer_kind(self, sd: dict[str, Any]) -> None:
+        """The checkpoint's optimizer state is of this trainer's kind and, sharded, of its DP size
+        and rank."""
+        shard = sd.get("optimizer_shard")
+        if (shard is not None) != self.cfg.distributed_optimizer:
+            saved = "with" if shard is not None else "without"
+            raise ValueError(f"the checkpoint was written {saved} trainer.distributed_optimizer; this run has "
+                             f"trainer.distributed_optimizer={self.cfg.distributed_optimizer}: resume with "
+                             f"trainer.distributed_optimizer={shard is not None}")
+        if shard is not None and (shard["dp"], shard["dp_rank"]) != (self.dims.dp, self.dims.dp_rank):
+            raise ValueError(f"the checkpoint's optimizer shard is data-parallel rank {shard['dp_rank']} of "
+                             f"{shard['dp']}; this process is rank {self.dims.dp_rank} of {self.dims.dp}: a run with "
+                             f"trainer.distributed_optimizer resumes with the data-parallel size it was saved with")
+
+
+def _shard_state(opt) -> dict:
+    """A distributed optimizer's shard (master weights and moments per parameter, by bucket), as
+    copies, in the form its ``load_parameter_state_from_dp_reshardable`` reads back."""
+    state = opt.get_parameter_state_dp_reshardable()
+    for key, by_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for i, entry in enumerate(bucket):
+                        # clones, not deep copies: a master shard (fp32) views the whole weight buffer
+                        bucket[i] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                        bucket[i]["padding"] = False  # every entry is a parameter's range
+    return copy.deepcopy(state)
