@@ -29,6 +29,7 @@ from megarl.parallel.preempt import RECORD_NAME, PreemptSignals
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
+from megarl.rl.rollout_correction import describe as describe_correction
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import timeline_line
@@ -202,6 +203,7 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
                 check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
             if dims.rank == 0:
                 log.info("process layout: %s", layout.describe())
+                log.info(describe_correction(cfg.grpo.rollout_correction, cfg.grpo.rollout_correction_threshold))
             return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout, preempt)
     finally:
         shutdown_distributed(dims)
