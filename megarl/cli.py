@@ -68,8 +68,11 @@ def _no_space_message(exc: OSError, run_dir: str | None) -> str:
         good = latest_checkpoint(run_dir, skip_corrupted=True)
     except Exception:  # noqa: BLE001 - the message must still come out
         good = None
-    last = f"the last good checkpoint is {good}" if good is not None else "no checkpoint was written yet"
-    return f"{what} writing {written}; {last}"
+    if good is not None:
+        return f"{what} writing {written}; the last good checkpoint is {good}"
+    # an interrupted start: the same command (with or without --resume) starts it again (megarl/run_dir.py)
+    return (f"{what} writing {written}; no checkpoint was written yet: make room and run the same command again "
+            f"(it starts the run again from the beginning)")
 
 
 def _fail(exc: BaseException, run_dir: str | None = None) -> int:

@@ -30,6 +30,7 @@ from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
 from megarl.rl.rollout_correction import describe as describe_correction
+from megarl.run_dir import clear_start, holds_finished_or_checkpointed_run, restart_line, start_leftovers
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import timeline_line
@@ -72,20 +73,27 @@ RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoin
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
                   allow_config_change: bool = False) -> Path | None:
-    """Decide where to start before touching anything; returns the checkpoint to resume from.
-    With ``cfg`` (the CLI passes it), a resume also checks that the checkpoint fits ``cfg``
-    (trainer layout, tail batching, KL reference) and that ``cfg`` changes nothing but
-    ``RESUME_MAY_CHANGE`` against ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
+    """Decide where to start before touching anything; returns the checkpoint to resume from, or
+    None to start from the beginning: in a new directory, or in one that holds only an interrupted
+    start (megarl/run_dir.py), with or without ``resume``. With ``cfg`` (the CLI passes it), a
+    resume also checks that the checkpoint fits ``cfg`` (trainer layout, tail batching, KL
+    reference) and that ``cfg`` changes nothing but ``RESUME_MAY_CHANGE`` against
+    ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
     run_dir = Path(run_dir)
+    done = holds_finished_or_checkpointed_run(run_dir)
     if resume:
         ckpt = latest_checkpoint(run_dir)
+        if ckpt is None and not done and start_leftovers(run_dir):
+            return None  # an interrupted start: started again (the run says so)
         if ckpt is None:
-            raise RunDirError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} to resume from")
+            what = "it holds the finished run's export (hf/) and" if done else "it holds no run:"
+            raise RunDirError(f"--resume: {run_dir}: {what} no checkpoint under {run_dir / 'checkpoints'} to resume "
+                              f"from; start the run without --resume" + (" in another --run-dir" if done else ""))
         if cfg is not None:
             check_resume_config(run_dir, cfg, allow_config_change)
             _check_checkpoint_fits(ckpt, cfg)
         return ckpt
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+    if done:
         raise RunDirError(f"run dir {run_dir} already holds a run: pass --resume to continue it, "
                           f"or choose another --run-dir")
     return None
@@ -184,6 +192,10 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
 def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs, rank0: bool) -> list[dict]:
     ckpt = check_run_dir(run_dir, resume)
     if rank0:
+        if ckpt is None and start_leftovers(run_dir):
+            log.warning(restart_line(run_dir, clear_start(run_dir), resume))
+        elif ckpt is None:
+            log.info("starting a new run in %s", run_dir)
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     if cfg.deterministic:
         set_deterministic()

@@ -361,4 +361,6 @@ def test_no_space_message_without_checkpoints():
 
     exc = OSError(errno.ENOSPC, "No space left on device", "/r/.metrics.jsonl.tmp-ab12")
     assert _no_space_message(exc, None) == "no space left on device writing /r/metrics.jsonl"
-    assert _no_space_message(exc, "/nonexistent/run").endswith("; no checkpoint was written yet")
+    assert _no_space_message(exc, "/nonexistent/run").endswith(
+        "; no checkpoint was written yet: make room and run the same command again (it starts the run again from "
+        "the beginning)")

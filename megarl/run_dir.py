@@ -1,0 +1,75 @@
+"""What a run directory holds when ``megarl train`` starts in it: nothing yet, a run to resume from
+its latest checkpoint, a finished run, or only what a start left that ended before its first
+checkpoint (docs/design.md §5).
+
+Why the last case is its own: a run killed during SFT, inside the post-SFT checkpoint's write,
+before the first ``checkpoint_every`` steps were done (``sft.steps=0``), or stopped by a full disk
+at its first checkpoint, leaves ``config.yaml``, perhaps ``sft.json``, the metrics of the steps it
+ran, an empty ``checkpoints/`` and the temporaries of interrupted writes. None of it can be resumed
+from, and none of it is needed: the data order and the sampling noise are functions of (seed,
+step), so starting again from the beginning repeats those steps exactly. Such a directory is
+therefore started again, with or without ``--resume``, and the run says so.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from megarl.checkpoint.rl_state import checkpoint_dir, is_temporary, list_checkpoints
+from megarl.parallel.preempt import RECORD_NAME
+from megarl.utils.metrics_log import TENSORBOARD_DIR
+
+log = logging.getLogger("megarl")
+
+# What a start writes before its first checkpoint. config.yaml is not removed on a restart: it is
+# rewritten (atomically) at once, and a directory that holds it reads as a start to every process.
+START_FILES = ("sft.json", "metrics.jsonl", "timeline.jsonl", "rollouts.jsonl", RECORD_NAME, TENSORBOARD_DIR, "wandb")
+
+
+def holds_finished_or_checkpointed_run(run_dir: Path) -> bool:
+    """A checkpoint folder (intact or not: checking it is the resume's job) or the final export."""
+    return bool(list_checkpoints(run_dir)) or (Path(run_dir) / "hf").exists()
+
+
+def start_leftovers(run_dir: Path) -> list[Path]:
+    """What an interrupted start left in ``run_dir`` (empty for a new or empty directory): its files
+    (``START_FILES``, ``config.yaml``), ``checkpoints/`` (no checkpoint in it) and interrupted
+    writes' temporaries. Only meaningful when :func:`holds_finished_or_checkpointed_run` is
+    False. Files of the user's (or Slurm's ``logs/``) are never counted."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for name in (*START_FILES, "config.yaml", checkpoint_dir(run_dir).name):
+        path = run_dir / name
+        if path.exists() or path.is_symlink():
+            found.append(path)
+    try:
+        found += [p for p in run_dir.iterdir() if is_temporary(p.name)]
+    except FileNotFoundError:  # removed meanwhile (another process's restart): nothing left of it
+        pass
+    return sorted(found)
+
+
+def clear_start(run_dir: Path) -> list[str]:
+    """Remove an interrupted start's leftovers but ``config.yaml`` (the caller rewrites it) and
+    return their names. Rank 0 only, holding the run directory's lock."""
+    removed = []
+    for path in start_leftovers(run_dir):
+        if path.name == "config.yaml":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path.name + ("/" if path.name in (TENSORBOARD_DIR, "wandb", "checkpoints") else ""))
+    return removed
+
+
+def restart_line(run_dir: Path, removed: list[str], resume: bool) -> str:
+    """What the run says when it starts an interrupted start again."""
+    what = ", ".join(removed) if removed else "config.yaml only"
+    how = "--resume has nothing to resume" if resume else "a new start"
+    return (f"{run_dir} holds an interrupted start and no checkpoint ({what}): {how}, so the run starts again from "
+            f"the beginning (the steps it had run repeat exactly); removed what the interrupted start wrote")
