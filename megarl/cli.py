@@ -409,8 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":  # (cheap: before the inputs are loaded) the directory fits the request
             if args.allow_config_change and not args.resume:
                 raise ValueError("--allow-config-change is for --resume (a new run has no config to compare with)")
-            check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
+            ckpt = check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
         inputs = prepare_inputs(cfg)
+        if args.command == "train" and ckpt is not None:  # the data the checkpoint was trained on
+            from megarl.run_dir import check_resume_data
+
+            source = cfg.data.jsonl_path if cfg.data.source == "jsonl" else f"data.source={cfg.data.source}"
+            check_resume_data(ckpt, inputs.data_sha256, source, args.allow_config_change)
     except Exception as e:  # noqa: BLE001 - filtered: only input checking's errors and a full disk
         if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
             raise

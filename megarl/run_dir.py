@@ -16,11 +16,16 @@ import logging
 import shutil
 from pathlib import Path
 
-from megarl.checkpoint.rl_state import checkpoint_dir, is_temporary, list_checkpoints
+from megarl.checkpoint.rl_state import checkpoint_dir, is_temporary, list_checkpoints, read_state
 from megarl.parallel.preempt import RECORD_NAME
 from megarl.utils.metrics_log import TENSORBOARD_DIR
 
 log = logging.getLogger("megarl")
+DATA_DIGEST = "data_sha256"  # the prompt set's digest in every checkpoint's state.json (megarl/setup_run.py)
+
+class RunDirError(ValueError):
+    """The run directory does not fit the request (exists without --resume, nothing to resume)."""
+
 
 # What a start writes before its first checkpoint. config.yaml is not removed on a restart: it is
 # rewritten (atomically) at once, and a directory that holds it reads as a start to every process.
@@ -73,3 +78,18 @@ def restart_line(run_dir: Path, removed: list[str], resume: bool) -> str:
     how = "--resume has nothing to resume" if resume else "a new start"
     return (f"{run_dir} holds an interrupted start and no checkpoint ({what}): {how}, so the run starts again from "
             f"the beginning (the steps it had run repeat exactly); removed what the interrupted start wrote")
+
+
+def check_resume_data(ckpt: Path, data_sha256: str, source: str, allow_change: bool = False) -> None:
+    """Refuse to resume from ``ckpt`` on a prompt set other than the one it was trained on (its
+    recorded digest; checkpoints from before it was recorded are not checked). ``source``: where
+    the data comes from, for the message. ``allow_change`` (``--allow-config-change``): a warning."""
+    recorded = read_state(ckpt).get(DATA_DIGEST)
+    if recorded is None or recorded == data_sha256:
+        return
+    what = (f"the prompt set ({source}) is not the one {ckpt} was trained on (sha256 {recorded[:12]}... then, "
+            f"{data_sha256[:12]}... now)")
+    if not allow_change:
+        raise RunDirError(f"--resume: {what}; resume with the run's data, or pass --allow-config-change to continue "
+                          f"on this data (the resumed run then repeats no uninterrupted run)")
+    log.warning("resuming on changed data (--allow-config-change): %s", what)

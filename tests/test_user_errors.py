@@ -122,7 +122,9 @@ def _jsonl_args(tmp_path: Path, data: Path) -> list:
      ["data.jsonl:2", "not UTF-8", "0xff", "save the file as UTF-8"]),
     ('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "12+\u00e9=", "answer": "3"}\n'.encode(),
      ["data.jsonl:2", "cannot be tokenized", "'\u00e9' at column 4", "valid: text the tokenizer"]),
-], ids=["empty", "one-1MB-prompt", "not-utf8", "unencodable"])
+    (b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": "4", "answer": "5"}\n',
+     ["data.jsonl:2", "field 'answer' appears more than once", "give each field once"]),
+], ids=["empty", "one-1MB-prompt", "not-utf8", "unencodable", "duplicate-key"])
 def test_bad_prompt_file(capsys, tmp_path, content, needles):
     data = tmp_path / ("empty.jsonl" if not content else "data.jsonl")
     data.write_bytes(content)
@@ -279,6 +281,48 @@ def test_resume_with_a_changed_config_is_refused(capsys, run_copy, changes, need
     rc, err = run_cli(capsys, "train", "--run-dir", run_copy, "--resume", *SMALL, *sets)
     line = assert_refused(rc, err, run_copy, *needles, "config.yaml", "--allow-config-change", before=before)
     assert "free to change: rl_steps" in line  # what would be accepted
+
+
+def test_deleted_config_yaml_does_not_turn_the_resume_check_off(capsys, run_copy):
+    """RUN_DIR/config.yaml deleted: the resume compares against the config the checkpoint records
+    (its state.json) and still refuses a changed seed; before, it resumed with a warning."""
+    (run_copy / "config.yaml").unlink()
+    before = snapshot(run_copy)
+    rc, err = run_cli(capsys, "train", "--run-dir", run_copy, "--resume", *SMALL, "--set", "seed=99")
+    assert_refused(rc, err, run_copy, "seed: 7 -> 99", str(run_copy / "checkpoints" / "step_000001" / "state.json"),
+                   "--allow-config-change", before=before)
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory) -> tuple[Path, Path, list]:
+    """A run on a JSONL prompt set with a checkpoint after its one step (run dir, data file, args)."""
+    tmp = tmp_path_factory.mktemp("jsonl_run")
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(1, 4) for b in range(1, 3)))
+    args = [*_jsonl_args(tmp, data), "--set", "rl_steps=1", "--set", "checkpoint_every=1",
+            "--set", "rollout.max_new_tokens=8", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2"]
+    proc = megarl_subprocess("train", "--run-dir", tmp / "run", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run", data, args
+
+
+def test_resume_on_a_changed_dataset_is_refused(capsys, jsonl_run):
+    """Every answer of the JSONL prompt set changed between the start and the resume: refused,
+    naming the file and the checkpoint (the prompt set's digest is recorded in each checkpoint);
+    before, the resume trained on the changed data silently."""
+    run_dir, data, args = jsonl_run
+    original = data.read_text()
+    rows = [json.loads(ln) for ln in original.splitlines()]
+    data.write_text("".join(json.dumps({**r, "answer": r["answer"] + "0"}) + "\n" for r in rows))
+    try:
+        before = snapshot(run_dir)
+        rc, err = run_cli(capsys, "train", "--run-dir", run_dir, "--resume", *args)
+        assert_refused(rc, err, run_dir, f"the prompt set ({data}) is not the one",
+                       str(run_dir / "checkpoints" / "step_000001"), "--allow-config-change", before=before)
+    finally:
+        data.write_text(original)
+    assert run_cli(capsys, "config", *args)[0] == 0  # (the data is back as it was)
 
 
 def test_resume_config_check_lists_what_may_change(small_run):
