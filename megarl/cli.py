@@ -31,12 +31,14 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def _run_errors() -> tuple[type[BaseException], ...]:
     """The user errors ``train()`` may raise after the start: the run directory is locked by
     another run or does not fit the request, a checkpoint is corrupted (naming the previous good
-    one), a config error. Only these (and a full disk) are caught around ``train()``."""
+    one), a config error, a corrupted JSONL file. Only these (and a full disk) are caught around
+    ``train()``."""
     from megarl.checkpoint.rl_state import CheckpointCorrupted
     from megarl.train import RunDirError
+    from megarl.utils.jsonl import JsonlCorrupted
     from megarl.utils.run_lock import RunDirLocked
 
-    return ConfigError, RunDirError, RunDirLocked, CheckpointCorrupted
+    return ConfigError, RunDirError, RunDirLocked, CheckpointCorrupted, JsonlCorrupted
 
 
 def _no_space(exc: BaseException | None) -> OSError | None:
@@ -328,12 +330,11 @@ def _first_missing(path: Path) -> Path | None:
 
 
 def _unlock(lock, created: Path | None) -> None:
-    """A refused start leaves nothing behind: the lock released and, for a run directory this
-    start created, the directory removed (it holds nothing but the lock file), with the parent
+    """A refused start leaves nothing behind: the lock file removed and released and, for a run
+    directory this start created, the directory removed (it holds nothing else), with the parent
     folders the start created for it."""
-    lock.release()
+    lock.release(remove=True)
     if created is not None:
-        lock.path.unlink(missing_ok=True)
         folder = lock.run_dir
         with contextlib.suppress(OSError):
             while True:
@@ -361,10 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     lock = created = None
     run_dir = getattr(args, "run_dir", None)
     if args.command == "train":
+        from megarl.run_dir import check_run_dir_path
         from megarl.utils.run_lock import lock_run_dir
 
-        created = _first_missing(Path(args.run_dir))
         try:  # first of all: a second run on the same directory ends here, before it loads anything
+            check_run_dir_path(args.run_dir)
+            created = _first_missing(Path(args.run_dir))
             lock = lock_run_dir(args.run_dir)
         except Exception as e:  # noqa: BLE001 - filtered: user errors and a full disk only
             if not isinstance(e, USER_ERRORS) and _no_space(e) is None:

@@ -32,6 +32,29 @@ class RunDirError(ValueError):
 START_FILES = ("sft.json", "metrics.jsonl", "timeline.jsonl", "rollouts.jsonl", RECORD_NAME, TENSORBOARD_DIR, "wandb")
 
 
+# Everything else a run directory may hold: the export, megarl report's figures, Slurm's per-rank
+# logs (megarl_job.sh makes logs/ before the run starts), the lock.
+RUN_NAMES = (*START_FILES, "config.yaml", "checkpoints", "hf", "report", "logs", ".lock")
+
+
+def check_run_dir_path(run_dir: str) -> None:
+    """Refuse a ``--run-dir`` that would make the run write among other files: an empty path (the
+    current directory) or a symbolic link to a non-empty folder holding things no run writes (a
+    link to a run directory, or to an empty folder, is fine). Reads only."""
+    if not run_dir.strip():
+        raise ValueError(f"--run-dir {run_dir!r} is empty: it would write into the current directory, among its "
+                         f"files; give the run a folder of its own, e.g. --run-dir runs/my_run")
+    path = Path(run_dir)
+    if not path.is_symlink() or not path.is_dir():
+        return
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in RUN_NAMES and not is_temporary(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"--run-dir {run_dir} is a symbolic link to {path.resolve()}, a folder that holds other "
+                         f"files ({shown}), not a megarl run: the run would write among them; link to an empty "
+                         f"folder, or give --run-dir a new folder")
+
+
 def holds_finished_or_checkpointed_run(run_dir: Path) -> bool:
     """A checkpoint folder (intact or not: checking it is the resume's job) or the final export."""
     return bool(list_checkpoints(run_dir)) or (Path(run_dir) / "hf").exists()

@@ -46,7 +46,7 @@ from megarl.stream_train.model import parse_dtype
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
-from megarl.utils.jsonl import append_line, truncate_to_step
+from megarl.utils.jsonl import append_line, check_lines, truncate_to_step
 from megarl.utils.metrics_log import MetricsLogger
 from megarl.utils.run_lock import RunLock, lock_run_dir
 
@@ -90,6 +90,9 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
         if cfg is not None:
             check_resume_config(run_dir, cfg, allow_config_change, ckpt)
             _check_checkpoint_fits(ckpt, cfg)
+            for name in ("metrics.jsonl", "timeline.jsonl"):  # cut back at resume: a bad line fails now
+                if (run_dir / name).is_file():
+                    check_lines(run_dir / name)
         return ckpt
     if done:
         raise RunDirError(f"run dir {run_dir} already holds a run: pass --resume to continue it, "

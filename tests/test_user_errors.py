@@ -95,6 +95,46 @@ def test_refused_start_removes_the_parent_folders_it_created(capsys, tmp_path):
     assert_refused(rc, err, tmp_path / "new", "rollout.top_k=-1")
 
 
+def test_refused_start_on_an_existing_folder_leaves_no_lock(capsys, tmp_path):
+    """An existing run folder keeps exactly what it held: the lock file the refused start took is
+    removed too (it used to stay behind)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mine.txt").write_text("mine\n")
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "rollout.top_k=-1")
+    assert_refused(rc, err, None, "rollout.top_k=-1")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["mine.txt"]
+
+
+def test_empty_run_dir_is_refused(capsys, tmp_path, monkeypatch):
+    """``--run-dir ""`` used to run in the current directory, among the user's files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("mine\n")
+    rc, err = run_cli(capsys, "train", "--run-dir", "", *SMOKE)
+    assert_refused(rc, err, None, "--run-dir '' is empty", "current directory", "--run-dir runs/my_run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_run_dir_linked_to_a_foreign_folder_is_refused(capsys, tmp_path):
+    """A run dir that is a symbolic link to a folder of other files used to be written into."""
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "a.jpg").write_bytes(b"jpg")
+    (tmp_path / "run").symlink_to(foreign)
+    rc, err = run_cli(capsys, "train", "--run-dir", tmp_path / "run", *SMOKE)
+    assert_refused(rc, err, None, f"--run-dir {tmp_path / 'run'} is a symbolic link to {foreign}", "(a.jpg)",
+                   "not a megarl run")
+    assert sorted(p.name for p in foreign.iterdir()) == ["a.jpg"]
+
+
+def test_resume_of_a_folder_without_a_run_says_to_start_without_it(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, "--resume", *SMOKE)
+    assert_refused(rc, err, None, "--resume", "holds no run", "start the run without --resume")
+    assert list(run_dir.iterdir()) == []
+
+
 def test_context_too_short_for_the_prompts(capsys, tmp_path):
     run_dir = tmp_path / "run"
     rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "model.max_position_embeddings=8")
@@ -323,6 +363,19 @@ def test_resume_on_a_changed_dataset_is_refused(capsys, jsonl_run):
     finally:
         data.write_text(original)
     assert run_cli(capsys, "config", *args)[0] == 0  # (the data is back as it was)
+
+
+def test_malformed_middle_line_of_metrics_is_one_line(capsys, run_copy):
+    """A corrupted line before the last one of metrics.jsonl: one error line naming file:line,
+    exit 2, nothing changed; it used to end with a traceback, exit 1."""
+    metrics = run_copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert len(lines) >= 2
+    metrics.write_text(lines[0][:10] + "\n" + "".join(lines[1:]))
+    before = snapshot(run_copy)
+    rc, err = run_cli(capsys, "train", "--run-dir", run_copy, "--resume", *SMALL)
+    assert_refused(rc, err, run_copy, f"{metrics}:1: malformed JSON line", "repair or remove that line",
+                   before=before)
 
 
 def test_resume_config_check_lists_what_may_change(small_run):
