@@ -77,8 +77,15 @@ def _no_space_message(exc: OSError, run_dir: str | None) -> str:
             f"(it starts the run again from the beginning)")
 
 
-def _fail(exc: BaseException, run_dir: str | None = None) -> int:
-    """Print ``exc`` as the one ``megarl: error:`` line (a full disk as its own message); exit 2."""
+def _fail(exc: BaseException, run_dir: str | None = None, input_check: bool = False) -> int:
+    """Print ``exc`` as the one ``megarl: error:`` line (a full disk as its own message); exit 2.
+    ``input_check``: an error of checking the input, which every process of a run checks alike:
+    under ``python -m megarl.launch`` only rank 0 prints it (megarl/launch.py)."""
+    if input_check and os.environ.get("MEGARL_LAUNCHER") and os.environ.get("RANK", "0") != "0":
+        import time
+
+        time.sleep(10)  # rank 0 says it (ending every process): a rank that is faster must not end it first
+        return 2
     full = _no_space(exc)
     msg = _no_space_message(full, run_dir) if full is not None else str(exc) or type(exc).__name__
     print(f"megarl: error: {' '.join(msg.split())}", file=sys.stderr)
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if lock is not None:
             _unlock(lock, created)
-        return _fail(e, run_dir)
+        return _fail(e, run_dir, input_check=True)
     if args.command == "bench":
         return _bench(args, cfg)
     try:
