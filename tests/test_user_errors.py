@@ -173,6 +173,26 @@ def test_bad_prompt_file(capsys, tmp_path, content, needles):
     assert_refused(rc, err, run_dir, *needles)
 
 
+def test_code_reward_without_a_containing_sandbox_is_refused(capsys, tmp_path, monkeypatch):
+    """data.reward=python_tests where bubblewrap cannot contain the programs (forced here, so the
+    test means the same on a machine that has it): one line saying why and the two ways on;
+    ``reward.allow_uncontained=true`` (the opt-out, by name) lets the set-up pass. Before, such a
+    run started and warned at its first reward."""
+    from megarl.config import load_config
+    from megarl.rl import sandbox
+    from megarl.setup_run import prepare_inputs
+
+    monkeypatch.setitem(sandbox._probed, "bwrap_problem", "bubblewrap (bwrap) is not installed")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": "assert True"}) + "\n" for a in range(4)))
+    args = [*_jsonl_args(tmp_path, data), "--set", "data.reward=python_tests"]
+    rc, err = run_cli(capsys, "train", "--run-dir", tmp_path / "run", *args)
+    assert_refused(rc, err, tmp_path / "run", "data.reward=python_tests runs model-written code",
+                   "bubblewrap (bwrap) is not installed", "apt-get install bubblewrap", "reward.allow_uncontained=true")
+    cfg = load_config(args[1], [*args[3::2], "reward.allow_uncontained=true"])
+    assert len(prepare_inputs(cfg).problems) == 4
+
+
 @pytest.mark.parametrize("command", ["train", "config"])
 @pytest.mark.parametrize("content,needles", [
     (b"", ["empty.yaml is empty", "leave out --config"]),
