@@ -42,6 +42,16 @@ def test_killed_inside_the_post_sft_checkpoint_then_resume(smoke_run, tmp_path):
     assert_same_as(run, smoke_run)
 
 
+def test_killed_during_sft_then_resume(smoke_run, tmp_path):
+    """Killed in the middle of SFT (the directory holds config.yaml only): ``--resume`` used to say
+    "no checkpoint" without saying what to do; it now starts the run again, and says so."""
+    run = tmp_path / "run"
+    assert_killed(start(run, fault="sft:30"), "sft:30")
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml"]
+    assert_restarted(start(run, "--resume"))
+    assert_same_as(run, smoke_run)
+
+
 @pytest.fixture(scope="module")
 def no_sft_run(smoke_run, tmp_path_factory):
     """The uninterrupted run of a config without SFT (``sft.steps=0``, as jsonl data needs),
