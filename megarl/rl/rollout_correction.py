@@ -54,7 +54,7 @@ def correction_weights(old_logprobs: Tensor, engine_logprobs: Tensor, loss_mask:
         zero = torch.zeros((), dtype=rho.dtype)
         metrics = {"is_ratio": float(torch.where(mask, rho, zero).sum() / num_tokens),
                    "is_ratio_max": float(torch.where(mask, rho, zero).max()) if rho.numel() else 0.0,
-                   ("is_clip_frac" if mode == "tis" else "is_mask_frac"): float(out.sum() / num_tokens)}
+                   ("is_clip_frac" if mode == "tis" else "is_mask_frac"): float(out.double().sum() / num_tokens)}
         weights = torch.where(mask, weights, torch.ones((), dtype=rho.dtype)).to(old_logprobs.dtype)
     return weights, metrics
 

@@ -87,4 +87,32 @@ def test_perturbed_engine_logprobs_scale_the_update_by_the_formula(dims, mode, s
     assert out["is_ratio"] == pytest.approx(math.exp(shift), rel=1e-9)
     assert out["is_ratio_max"] == pytest.approx(math.exp(shift), rel=1e-9)
     frac = out["is_clip_frac" if mode == "tis" else "is_mask_frac"]
-    assert frac == pytest.approx(1.0 if scale in (2.0, 0.0) else 0.0, abs=1e-6)
+    assert frac == (1.0 if scale in (2.0, 0.0) else 0.0)
+
+
+@cpu_fp64
+def test_stream_training_takes_the_same_corrected_update(dims):  # noqa: F811
+    """Stream training (each group trained as it finishes, the normaliser applied at the end) with
+    tis on engine logprobs perturbed per token gives the update and metrics of the plain one."""
+    from megarl.stream_train.stream import StreamUpdate
+
+    cfg, inputs, trainer, ref, groups = _setup(dims, 0.8, "float64")  # lr 0: the weights stay
+    _spread_rewards(groups, 1)
+    g = torch.Generator().manual_seed(3)
+    for grp in groups:  # rho from e^-1.2 to e^1.2: some clipped at 2, some below 1
+        for r in grp.results:
+            r.logprobs = [x + float(d) for x, d in zip(r.logprobs, torch.empty(len(r.logprobs)).uniform_(
+                -1.2, 1.2, generator=g))]
+    base = UpdateSpec.of(cfg, inputs.tokenizer.pad_id)
+    spec = UpdateSpec(GRPOConfig(rollout_correction="tis", kl_coef=cfg.grpo.kl_coef, drop_zero_variance=False),
+                      base.group_size, base.temperature, base.pad_id)
+    plain = grpo_update(trainer, groups, spec, ref=ref)
+    stream = StreamUpdate(trainer, spec, ref=ref)
+    stream.begin()
+    for grp in groups:
+        stream.add_group(grp)
+    streamed = stream.finish(groups)
+    assert 0 < plain["is_clip_frac"] < 1
+    for key in ("loss", "pg_loss", "is_ratio", "is_ratio_max", "is_clip_frac"):
+        assert streamed[key] == pytest.approx(plain[key], rel=1e-9, abs=1e-12), key
+    assert streamed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
