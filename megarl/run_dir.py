@@ -22,19 +22,16 @@ from megarl.utils.metrics_log import TENSORBOARD_DIR
 
 log = logging.getLogger("megarl")
 DATA_DIGEST = "data_sha256"  # the prompt set's digest in every checkpoint's state.json (megarl/setup_run.py)
-
-class RunDirError(ValueError):
-    """The run directory does not fit the request (exists without --resume, nothing to resume)."""
-
-
 # What a start writes before its first checkpoint. config.yaml is not removed on a restart: it is
 # rewritten (atomically) at once, and a directory that holds it reads as a start to every process.
 START_FILES = ("sft.json", "metrics.jsonl", "timeline.jsonl", "rollouts.jsonl", RECORD_NAME, TENSORBOARD_DIR, "wandb")
-
-
 # Everything else a run directory may hold: the export, megarl report's figures, Slurm's per-rank
 # logs (megarl_job.sh makes logs/ before the run starts), the lock.
 RUN_NAMES = (*START_FILES, "config.yaml", "checkpoints", "hf", "report", "logs", ".lock")
+
+
+class RunDirError(ValueError):
+    """The run directory does not fit the request (exists without --resume, nothing to resume)."""
 
 
 def check_run_dir_path(run_dir: str) -> None:
