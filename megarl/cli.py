@@ -31,12 +31,14 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def _run_errors() -> tuple[type[BaseException], ...]:
     """The user errors ``train()`` may raise after the start: the run directory is locked by
     another run or does not fit the request, a checkpoint is corrupted (naming the previous good
-    one), a config error. Only these (and a full disk) are caught around ``train()``."""
+    one), a config error, a corrupted JSONL file. Only these (and a full disk) are caught around
+    ``train()``."""
     from megarl.checkpoint.rl_state import CheckpointCorrupted
     from megarl.train import RunDirError
+    from megarl.utils.jsonl import JsonlCorrupted
     from megarl.utils.run_lock import RunDirLocked
 
-    return ConfigError, RunDirError, RunDirLocked, CheckpointCorrupted
+    return ConfigError, RunDirError, RunDirLocked, CheckpointCorrupted, JsonlCorrupted
 
 
 def _no_space(exc: BaseException | None) -> OSError | None:
@@ -68,12 +70,22 @@ def _no_space_message(exc: OSError, run_dir: str | None) -> str:
         good = latest_checkpoint(run_dir, skip_corrupted=True)
     except Exception:  # noqa: BLE001 - the message must still come out
         good = None
-    last = f"the last good checkpoint is {good}" if good is not None else "no checkpoint was written yet"
-    return f"{what} writing {written}; {last}"
+    if good is not None:
+        return f"{what} writing {written}; the last good checkpoint is {good}"
+    # an interrupted start: the same command (with or without --resume) starts it again (megarl/run_dir.py)
+    return (f"{what} writing {written}; no checkpoint was written yet: make room and run the same command again "
+            f"(it starts the run again from the beginning)")
 
 
-def _fail(exc: BaseException, run_dir: str | None = None) -> int:
-    """Print ``exc`` as the one ``megarl: error:`` line (a full disk as its own message); exit 2."""
+def _fail(exc: BaseException, run_dir: str | None = None, input_check: bool = False) -> int:
+    """Print ``exc`` as the one ``megarl: error:`` line (a full disk as its own message); exit 2.
+    ``input_check``: an error of checking the input, which every process of a run checks alike:
+    under ``python -m megarl.launch`` only rank 0 prints it (megarl/launch.py)."""
+    if input_check and os.environ.get("MEGARL_LAUNCHER") and os.environ.get("RANK", "0") != "0":
+        import time
+
+        time.sleep(10)  # rank 0 says it (ending every process): a rank that is faster must not end it first
+        return 2
     full = _no_space(exc)
     msg = _no_space_message(full, run_dir) if full is not None else str(exc) or type(exc).__name__
     print(f"megarl: error: {' '.join(msg.split())}", file=sys.stderr)
@@ -325,12 +337,11 @@ def _first_missing(path: Path) -> Path | None:
 
 
 def _unlock(lock, created: Path | None) -> None:
-    """A refused start leaves nothing behind: the lock released and, for a run directory this
-    start created, the directory removed (it holds nothing but the lock file), with the parent
+    """A refused start leaves nothing behind: the lock file removed and released and, for a run
+    directory this start created, the directory removed (it holds nothing else), with the parent
     folders the start created for it."""
-    lock.release()
+    lock.release(remove=True)
     if created is not None:
-        lock.path.unlink(missing_ok=True)
         folder = lock.run_dir
         with contextlib.suppress(OSError):
             while True:
@@ -358,10 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     lock = created = None
     run_dir = getattr(args, "run_dir", None)
     if args.command == "train":
+        from megarl.run_dir import check_run_dir_path
         from megarl.utils.run_lock import lock_run_dir
 
-        created = _first_missing(Path(args.run_dir))
         try:  # first of all: a second run on the same directory ends here, before it loads anything
+            check_run_dir_path(args.run_dir)
+            created = _first_missing(Path(args.run_dir))
             lock = lock_run_dir(args.run_dir)
         except Exception as e:  # noqa: BLE001 - filtered: user errors and a full disk only
             if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
@@ -406,14 +419,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":  # (cheap: before the inputs are loaded) the directory fits the request
             if args.allow_config_change and not args.resume:
                 raise ValueError("--allow-config-change is for --resume (a new run has no config to compare with)")
-            check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
+            ckpt = check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
         inputs = prepare_inputs(cfg)
+        if args.command == "train" and ckpt is not None:  # the data the checkpoint was trained on
+            from megarl.run_dir import check_resume_data
+
+            source = cfg.data.jsonl_path if cfg.data.source == "jsonl" else f"data.source={cfg.data.source}"
+            check_resume_data(ckpt, inputs.data_sha256, source, args.allow_config_change)
     except Exception as e:  # noqa: BLE001 - filtered: only input checking's errors and a full disk
         if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
             raise
         if lock is not None:
             _unlock(lock, created)
-        return _fail(e, run_dir)
+        return _fail(e, run_dir, input_check=True)
     if args.command == "bench":
         return _bench(args, cfg)
     try:

@@ -6,6 +6,7 @@ clear message and leave nothing behind, so all of it is loaded and checked here 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -53,6 +54,19 @@ class RunInputs:
     init_from_mcore: str | None = None
     """Or a converted Megatron folder of the starting weights (``megarl convert hf-to-mcore``, in
     this run's trainer layout)."""
+    data_sha256: str = ""
+    """:func:`data_digest` of the prompt set: recorded in every checkpoint, checked on resume."""
+
+
+def data_digest(problems: list[Problem], prompt_ids: list[list[int]]) -> str:
+    """SHA-256 of what a run trains on: every problem's uid, prompt and answer, and the prompt
+    token ids the policy sees. A resume compares it with the checkpoint's: a dataset file edited
+    between the start and the resume (every answer changed) trains on other data."""
+    h = hashlib.sha256()
+    for p, ids in zip(problems, prompt_ids, strict=True):
+        h.update(json.dumps([p.uid, p.prompt, p.answer, ids], separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None) -> Layout:
@@ -208,6 +222,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     # The model folder's config.json before its tokenizer (which may read it too): a broken one is named.
     hf_args = _hf_model_args(cfg.model.init_from_hf) if cfg.model.init_from_hf else None
     tokenizer, problems, reward_fn, task = _data(cfg)
+    check_containment(cfg, reward_fn)
 
     if cfg.model.init_from_hf:
         args = hf_args
@@ -244,7 +259,24 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,
                      reward_fn=reward_fn, args=args,
                      init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
-                     layout=check_layout(cfg, args))
+                     layout=check_layout(cfg, args), data_sha256=data_digest(problems, prompt_ids))
+
+
+def check_containment(cfg: RunConfig, reward_fn) -> None:
+    """A reward that runs model-written code needs a sandbox that contains it (bubblewrap), or the
+    user's explicit ``reward.allow_uncontained=true``."""
+    from megarl.rl.reward_pool import is_sandboxed
+    from megarl.rl.sandbox import containment_problem
+
+    if not is_sandboxed(reward_fn) or cfg.reward.allow_uncontained:
+        return
+    problem = containment_problem()
+    if problem is not None:
+        what = "data.source=humaneval" if cfg.data.source == "humaneval" else f"data.reward={cfg.data.reward}"
+        raise ValueError(f"{what} runs model-written code, and the sandbox cannot contain it on this machine "
+                         f"({problem}): install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; it needs "
+                         f"unprivileged user namespaces), or set reward.allow_uncontained=true to run it with "
+                         f"time, memory and file-size limits and network isolation only")
 
 
 def _check_drafter_start(cfg: RunConfig, args: ModelArgs) -> None:

@@ -29,6 +29,9 @@ from megarl.parallel.preempt import RECORD_NAME, PreemptSignals
 from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
+from megarl.rl.rollout_correction import describe as describe_correction
+from megarl.run_dir import (DATA_DIGEST, RunDirError, clear_start, holds_finished_or_checkpointed_run, restart_line,
+                            start_leftovers)
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import timeline_line
@@ -43,7 +46,7 @@ from megarl.stream_train.model import parse_dtype
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
-from megarl.utils.jsonl import append_line, truncate_to_step
+from megarl.utils.jsonl import append_line, check_lines, truncate_to_step
 from megarl.utils.metrics_log import MetricsLogger
 from megarl.utils.run_lock import RunLock, lock_run_dir
 
@@ -55,36 +58,43 @@ TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "
              "drafter_train_steps", "drafter_loss")
 
 
-class RunDirError(ValueError):
-    """The run directory does not fit the request (exists without --resume, nothing to resume)."""
-
-
 # Config fields a resumed run may change without changing its result (how long it runs, how often
 # and how many checkpoints it keeps, where metrics go, failure detection, the rollouts dump, reward
 # threads, the OS priority of bubble work, the chunking of weight transfers); a key ending in "."
 # stands for its whole section. Everything else changes samples or updates (in fp32 even the
 # batch shapes of speculation, placement or max_batch_size change rounding), so a change needs
 # --allow-config-change. Listed in README.md ("Checkpoints, resume and preemption").
+RECORD_CONFIG = "run_config"  # the run's config in every checkpoint's state.json (with the data's digest)
 RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
                      "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
                   allow_config_change: bool = False) -> Path | None:
-    """Decide where to start before touching anything; returns the checkpoint to resume from.
-    With ``cfg`` (the CLI passes it), a resume also checks that the checkpoint fits ``cfg``
-    (trainer layout, tail batching, KL reference) and that ``cfg`` changes nothing but
-    ``RESUME_MAY_CHANGE`` against ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
+    """Decide where to start before touching anything; returns the checkpoint to resume from, or
+    None to start from the beginning: in a new directory, or in one that holds only an interrupted
+    start (megarl/run_dir.py), with or without ``resume``. With ``cfg`` (the CLI passes it), a
+    resume also checks that the checkpoint fits ``cfg`` (trainer layout, tail batching, KL
+    reference) and that ``cfg`` changes nothing but ``RESUME_MAY_CHANGE`` against
+    ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
     run_dir = Path(run_dir)
+    done = holds_finished_or_checkpointed_run(run_dir)
     if resume:
         ckpt = latest_checkpoint(run_dir)
+        if ckpt is None and not done and start_leftovers(run_dir):
+            return None  # an interrupted start: started again (the run says so)
         if ckpt is None:
-            raise RunDirError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} to resume from")
+            what = "it holds the finished run's export (hf/) and" if done else "it holds no run:"
+            raise RunDirError(f"--resume: {run_dir}: {what} no checkpoint under {run_dir / 'checkpoints'} to resume "
+                              f"from; start the run without --resume" + (" in another --run-dir" if done else ""))
         if cfg is not None:
-            check_resume_config(run_dir, cfg, allow_config_change)
+            check_resume_config(run_dir, cfg, allow_config_change, ckpt)
             _check_checkpoint_fits(ckpt, cfg)
+            for name in ("metrics.jsonl", "timeline.jsonl"):  # cut back at resume: a bad line fails now
+                if (run_dir / name).is_file():
+                    check_lines(run_dir / name)
         return ckpt
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+    if done:
         raise RunDirError(f"run dir {run_dir} already holds a run: pass --resume to continue it, "
                           f"or choose another --run-dir")
     return None
@@ -100,21 +110,31 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resume_config(run_dir: Path, cfg: RunConfig, allow_change: bool = False) -> list[str]:
-    """Compare ``cfg`` with the config the run was started with (``RUN_DIR/config.yaml``). A
-    changed field outside ``RESUME_MAY_CHANGE`` raises ``RunDirError`` naming every such field
-    with its old and new value, unless ``allow_change`` (``--allow-config-change``): then they are
-    logged and returned (``key: old -> new`` each). Reads only; writes nothing."""
+def check_resume_config(run_dir: Path, cfg: RunConfig, allow_change: bool = False,
+                        ckpt: Path | None = None) -> list[str]:
+    """Compare ``cfg`` with the config the run was started with (``RUN_DIR/config.yaml``, or when
+    it is missing the one recorded in checkpoint ``ckpt``'s state.json). A changed field outside
+    ``RESUME_MAY_CHANGE`` raises ``RunDirError`` naming every such field with its old and new
+    value, unless ``allow_change`` (``--allow-config-change``): then they are logged and returned
+    (``key: old -> new`` each). Reads only; writes nothing."""
     import yaml
 
+    from megarl.checkpoint.rl_state import read_state
     from megarl.utils.dataclass_config import ConfigError, from_dict
 
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        log.warning("%s is missing: cannot check that --resume uses the run's config", path)
-        return []
+    path, recorded = Path(run_dir) / "config.yaml", None
+    if not path.is_file():  # deleting config.yaml must not turn the check off: the checkpoint holds it too
+        recorded = read_state(ckpt).get(RECORD_CONFIG) if ckpt is not None else None
+        if recorded is None and not allow_change:
+            raise RunDirError(f"{path} is missing and {ckpt or 'no checkpoint'} records no config (written by an "
+                              f"older megarl), so --resume cannot check that the config is the run's; restore "
+                              f"config.yaml, or pass --allow-config-change to resume anyway")
+        if recorded is None:
+            log.warning("%s is missing: resuming without comparing configs (--allow-config-change)", path)
+            return []
+        path = ckpt / "state.json"
     try:
-        saved = yaml.safe_load(path.read_text())
+        saved = yaml.safe_load(path.read_text()) if path.name == "config.yaml" else recorded
         if not isinstance(saved, dict):
             raise ValueError(f"it holds a {type(saved).__name__}, not a mapping")
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -202,6 +222,10 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
 def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs, rank0: bool) -> list[dict]:
     ckpt = check_run_dir(run_dir, resume)
     if rank0:
+        if ckpt is None and start_leftovers(run_dir):
+            log.warning(restart_line(run_dir, clear_start(run_dir), resume))
+        elif ckpt is None:
+            log.info("starting a new run in %s", run_dir)
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     if cfg.deterministic:
         set_deterministic()
@@ -221,6 +245,7 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
                 check_trainer_groups(layout, dims.tp_group, dims.pp_group, dims.dp_group)
             if dims.rank == 0:
                 log.info("process layout: %s", layout.describe())
+                log.info(describe_correction(cfg.grpo.rollout_correction, cfg.grpo.rollout_correction_threshold))
             return _train(cfg, run_dir, inputs, ckpt, dims, create_rollout_groups(layout), layout, preempt)
     finally:
         shutdown_distributed(dims)
@@ -243,7 +268,7 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                                 len=f"{result.metrics['response_len_mean']:.0f}")
             stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
             if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, rollout_groups.group_index)
+                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, rollout_groups.group_index, _record(cfg, inputs))
             if stop:
                 preempt.stop(step + 1)
                 break
@@ -323,8 +348,13 @@ def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Traine
             atomic_write_text(run_dir / "sft.json", json.dumps(sft))
         trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
     if cfg.checkpoint_every:
-        save_checkpoint(run_dir, 0, trainer.state_dict() if trainer is not None else None, {},
+        save_checkpoint(run_dir, 0, trainer.state_dict() if trainer is not None else None, _record(cfg, inputs),
                         keep=cfg.keep_checkpoints, dims=dims)
+
+
+def _record(cfg: RunConfig, inputs: RunInputs) -> dict:
+    """What a checkpoint records of the run for a resume to check: its config and data digest."""
+    return {RECORD_CONFIG: to_dict(cfg), DATA_DIGEST: inputs.data_sha256}
 
 
 def _write_step(run_dir: Path, cfg: RunConfig, result: StepResult, aborted: dict, metrics_log: MetricsLogger) -> None:
@@ -339,13 +369,14 @@ def _write_step(run_dir: Path, cfg: RunConfig, result: StepResult, aborted: dict
 
 
 def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine: Engine | None,
-                replica: int) -> None:
+                replica: int, record: dict) -> None:
     """A resumable checkpoint after ``step`` steps: trainer and reference state, the prompt
-    schedule, the length history (from the generating side) and each replica's drafter."""
+    schedule, the length history (from the generating side), each replica's drafter, and
+    ``record`` (:func:`_record`)."""
     stages = run.rollout.stages
     lengths_seen = run.exchange.from_generators(stages[0].history.state_dict() if stages else None)
     trainer_state, ref_state = run.trainer.state()
-    save_checkpoint(run_dir, step, trainer_state, {**run.prompts.state_dict(), "length_history": lengths_seen},
+    save_checkpoint(run_dir, step, trainer_state, {**run.prompts.state_dict(), "length_history": lengths_seen, **record},
                     keep=cfg.keep_checkpoints, dims=dims, ref_state=ref_state,
                     rank_files=drafter_files(engine.spec, replica) if engine is not None else None)
 

@@ -13,7 +13,8 @@ process itself can die there every time. The kill is still a real SIGKILL (no ha
   ``after_line:N``    right after step N's metrics.jsonl / timeline.jsonl lines (before any checkpoint of N);
   ``after_step:N``    right after step N's ``run_step`` returns on every process (torchrun: with
                       ``MEGARL_FAULT_RANK`` only on that rank);
-  ``export``          inside the final export, after the weights, before the tokenizer and the rename.
+  ``export``          inside the final export, after the weights, before the tokenizer and the rename;
+  ``sft:N``           when SFT step N's batch is built (steps 1-based; N - 1 SFT steps done).
 ``MEGARL_FAULT_DIR`` (optional): each process writes ``pid.<rank>`` there at start, and the dying
 process ``killed.<rank>`` holding ``time.time()`` just before the kill.
 """
@@ -95,6 +96,18 @@ def install(fault: str) -> None:
             return out
 
         train.run_step = run_step_hook
+    elif kind == "sft":
+        from megarl.stages import sft
+
+        sft_batch, calls = sft.sft_batch, []
+
+        def sft_batch_hook(*a, **kw):
+            calls.append(1)
+            if len(calls) == n[0]:
+                die()
+            return sft_batch(*a, **kw)
+
+        sft.sft_batch = sft_batch_hook
     elif kind == "export":
         export_hf = train.export_hf
 
@@ -104,7 +117,7 @@ def install(fault: str) -> None:
         train.export_hf = export_hook
     else:
         raise SystemExit(f"MEGARL_FAULT={fault!r}: unknown moment {kind!r} "
-                         f"(valid: rollout:N:K, checkpoint:N, after_line:N, after_step:N, export)")
+                         f"(valid: rollout:N:K, checkpoint:N, after_line:N, after_step:N, export, sft:N)")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,46 @@ def test_refused_start_removes_the_parent_folders_it_created(capsys, tmp_path):
     assert_refused(rc, err, tmp_path / "new", "rollout.top_k=-1")
 
 
+def test_refused_start_on_an_existing_folder_leaves_no_lock(capsys, tmp_path):
+    """An existing run folder keeps exactly what it held: the lock file the refused start took is
+    removed too (it used to stay behind)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mine.txt").write_text("mine\n")
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "rollout.top_k=-1")
+    assert_refused(rc, err, None, "rollout.top_k=-1")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["mine.txt"]
+
+
+def test_empty_run_dir_is_refused(capsys, tmp_path, monkeypatch):
+    """``--run-dir ""`` used to run in the current directory, among the user's files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("mine\n")
+    rc, err = run_cli(capsys, "train", "--run-dir", "", *SMOKE)
+    assert_refused(rc, err, None, "--run-dir '' is empty", "current directory", "--run-dir runs/my_run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_run_dir_linked_to_a_foreign_folder_is_refused(capsys, tmp_path):
+    """A run dir that is a symbolic link to a folder of other files used to be written into."""
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "a.jpg").write_bytes(b"jpg")
+    (tmp_path / "run").symlink_to(foreign)
+    rc, err = run_cli(capsys, "train", "--run-dir", tmp_path / "run", *SMOKE)
+    assert_refused(rc, err, None, f"--run-dir {tmp_path / 'run'} is a symbolic link to {foreign}", "(a.jpg)",
+                   "not a megarl run")
+    assert sorted(p.name for p in foreign.iterdir()) == ["a.jpg"]
+
+
+def test_resume_of_a_folder_without_a_run_says_to_start_without_it(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rc, err = run_cli(capsys, "train", "--run-dir", run_dir, "--resume", *SMOKE)
+    assert_refused(rc, err, None, "--resume", "holds no run", "start the run without --resume")
+    assert list(run_dir.iterdir()) == []
+
+
 def test_context_too_short_for_the_prompts(capsys, tmp_path):
     run_dir = tmp_path / "run"
     rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *SMOKE, "--set", "model.max_position_embeddings=8")
@@ -122,13 +162,35 @@ def _jsonl_args(tmp_path: Path, data: Path) -> list:
      ["data.jsonl:2", "not UTF-8", "0xff", "save the file as UTF-8"]),
     ('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "12+\u00e9=", "answer": "3"}\n'.encode(),
      ["data.jsonl:2", "cannot be tokenized", "'\u00e9' at column 4", "valid: text the tokenizer"]),
-], ids=["empty", "one-1MB-prompt", "not-utf8", "unencodable"])
+    (b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": "4", "answer": "5"}\n',
+     ["data.jsonl:2", "field 'answer' appears more than once", "give each field once"]),
+], ids=["empty", "one-1MB-prompt", "not-utf8", "unencodable", "duplicate-key"])
 def test_bad_prompt_file(capsys, tmp_path, content, needles):
     data = tmp_path / ("empty.jsonl" if not content else "data.jsonl")
     data.write_bytes(content)
     run_dir = tmp_path / "run"
     rc, err = run_cli(capsys, "train", "--run-dir", run_dir, *_jsonl_args(tmp_path, data))
     assert_refused(rc, err, run_dir, *needles)
+
+
+def test_code_reward_without_a_containing_sandbox_is_refused(capsys, tmp_path, monkeypatch):
+    """data.reward=python_tests where bubblewrap cannot contain the programs (forced here, so the
+    test means the same on a machine that has it): one line saying why and the two ways on;
+    ``reward.allow_uncontained=true`` (the opt-out, by name) lets the set-up pass. Before, such a
+    run started and warned at its first reward."""
+    from megarl.config import load_config
+    from megarl.rl import sandbox
+    from megarl.setup_run import prepare_inputs
+
+    monkeypatch.setitem(sandbox._probed, "bwrap_problem", "bubblewrap (bwrap) is not installed")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": "assert True"}) + "\n" for a in range(4)))
+    args = [*_jsonl_args(tmp_path, data), "--set", "data.reward=python_tests"]
+    rc, err = run_cli(capsys, "train", "--run-dir", tmp_path / "run", *args)
+    assert_refused(rc, err, tmp_path / "run", "data.reward=python_tests runs model-written code",
+                   "bubblewrap (bwrap) is not installed", "apt-get install bubblewrap", "reward.allow_uncontained=true")
+    cfg = load_config(args[1], [*args[3::2], "reward.allow_uncontained=true"])
+    assert len(prepare_inputs(cfg).problems) == 4
 
 
 @pytest.mark.parametrize("command", ["train", "config"])
@@ -281,6 +343,61 @@ def test_resume_with_a_changed_config_is_refused(capsys, run_copy, changes, need
     assert "free to change: rl_steps" in line  # what would be accepted
 
 
+def test_deleted_config_yaml_does_not_turn_the_resume_check_off(capsys, run_copy):
+    """RUN_DIR/config.yaml deleted: the resume compares against the config the checkpoint records
+    (its state.json) and still refuses a changed seed; before, it resumed with a warning."""
+    (run_copy / "config.yaml").unlink()
+    before = snapshot(run_copy)
+    rc, err = run_cli(capsys, "train", "--run-dir", run_copy, "--resume", *SMALL, "--set", "seed=99")
+    assert_refused(rc, err, run_copy, "seed: 7 -> 99", str(run_copy / "checkpoints" / "step_000001" / "state.json"),
+                   "--allow-config-change", before=before)
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory) -> tuple[Path, Path, list]:
+    """A run on a JSONL prompt set with a checkpoint after its one step (run dir, data file, args)."""
+    tmp = tmp_path_factory.mktemp("jsonl_run")
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(1, 4) for b in range(1, 3)))
+    args = [*_jsonl_args(tmp, data), "--set", "rl_steps=1", "--set", "checkpoint_every=1",
+            "--set", "rollout.max_new_tokens=8", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2"]
+    proc = megarl_subprocess("train", "--run-dir", tmp / "run", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run", data, args
+
+
+def test_resume_on_a_changed_dataset_is_refused(capsys, jsonl_run):
+    """Every answer of the JSONL prompt set changed between the start and the resume: refused,
+    naming the file and the checkpoint (the prompt set's digest is recorded in each checkpoint);
+    before, the resume trained on the changed data silently."""
+    run_dir, data, args = jsonl_run
+    original = data.read_text()
+    rows = [json.loads(ln) for ln in original.splitlines()]
+    data.write_text("".join(json.dumps({**r, "answer": r["answer"] + "0"}) + "\n" for r in rows))
+    try:
+        before = snapshot(run_dir)
+        rc, err = run_cli(capsys, "train", "--run-dir", run_dir, "--resume", *args)
+        assert_refused(rc, err, run_dir, f"the prompt set ({data}) is not the one",
+                       str(run_dir / "checkpoints" / "step_000001"), "--allow-config-change", before=before)
+    finally:
+        data.write_text(original)
+    assert run_cli(capsys, "config", *args)[0] == 0  # (the data is back as it was)
+
+
+def test_malformed_middle_line_of_metrics_is_one_line(capsys, run_copy):
+    """A corrupted line before the last one of metrics.jsonl: one error line naming file:line,
+    exit 2, nothing changed; it used to end with a traceback, exit 1."""
+    metrics = run_copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert len(lines) >= 2
+    metrics.write_text(lines[0][:10] + "\n" + "".join(lines[1:]))
+    before = snapshot(run_copy)
+    rc, err = run_cli(capsys, "train", "--run-dir", run_copy, "--resume", *SMALL)
+    assert_refused(rc, err, run_copy, f"{metrics}:1: malformed JSON line", "repair or remove that line",
+                   before=before)
+
+
 def test_resume_config_check_lists_what_may_change(small_run):
     """rl_steps, checkpoint_every, logging.* (and the rest of RESUME_MAY_CHANGE) pass; the others
     are returned (and logged) with --allow-config-change instead of refused."""
@@ -361,4 +478,6 @@ def test_no_space_message_without_checkpoints():
 
     exc = OSError(errno.ENOSPC, "No space left on device", "/r/.metrics.jsonl.tmp-ab12")
     assert _no_space_message(exc, None) == "no space left on device writing /r/metrics.jsonl"
-    assert _no_space_message(exc, "/nonexistent/run").endswith("; no checkpoint was written yet")
+    assert _no_space_message(exc, "/nonexistent/run").endswith(
+        "; no checkpoint was written yet: make room and run the same command again (it starts the run again from "
+        "the beginning)")

@@ -58,8 +58,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megarl.checkpoint.convert_checksums import (META, check_checksums_field, copy_checked, make_checksums,
-                                                 piece_checksums)
+from megarl.checkpoint.convert_checksums import (META, check_checksums_field, check_meta_digest, copy_checked,
+                                                 make_checksums, piece_checksums, seal_meta)
 from megarl.checkpoint.safetensors_stream import DTYPES, TAGS, LazyTensors, StreamWriter, nbytes
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
@@ -260,6 +260,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, 
                     "padded_vocab_size": ms.padded_vocab(args.vocab_size, tp), "dtype": TAGS[dtype],
                     "files": [file for _, file in ranks], "hf_files": hf_files,
                     "checksums": make_checksums(sums, tmp, hf_files)}
+            seal_meta(meta)
             with open(tmp / META, "w") as f:
                 json.dump(meta, f, indent=2)
         bar.close()
@@ -281,6 +282,7 @@ def read_meta(ckpt: str | os.PathLike) -> tuple[dict, ModelArgs]:
         raise ValueError(f"{path} is corrupted (not JSON: {exc})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{path} is corrupted: expected a JSON object")
+    check_meta_digest(meta, path)
     fields = {"format": str, "format_version": int, "hf_config": dict, "tp": int, "pp": int, "ep": int,
               "padded_vocab_size": int, "dtype": str, "files": list, "hf_files": list}
     for key, typ in fields.items():

@@ -23,6 +23,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from megarl.checkpoint import convert
+from megarl.checkpoint.convert_checksums import seal_meta
 from megarl.checkpoint.safetensors_stream import TAGS, StreamWriter
 
 _SUMS = ".checksums.json"
@@ -72,6 +73,7 @@ def export_hf(trainer, out_dir: str | Path, write_extra: Callable[[Path], None] 
                     "padded_vocab_size": mcore_sharding.padded_vocab(args.vocab_size, dims.tp),
                     "dtype": TAGS[dtype], "files": files, "hf_files": hf_files,
                     "checksums": convert.make_checksums(sums, stage, hf_files)}
+            seal_meta(meta)
             with open(stage / convert.META, "w") as f:
                 json.dump(meta, f, indent=2)
             convert.mcore_to_hf(stage, out_dir, force=True, progress=False)

@@ -58,6 +58,11 @@ class CheckpointCorrupted(ValueError):
         self.previous = previous
 
 
+def is_temporary(name: str) -> bool:
+    """``name`` is what an interrupted atomic write leaves (``.NAME.tmp-XXXX``, ``.hf.pieces``, ...)."""
+    return _TEMPORARY.match(name) is not None
+
+
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 

@@ -47,9 +47,12 @@ def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = No
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); {_EXPECTED}") from None
+            except _DuplicateKey as e:
+                raise ValueError(f"{where}: field {e.args[0]!r} appears more than once in the row (JSON keeps "
+                                 f"only the last); give each field once: {_EXPECTED}") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: got a JSON {type(row).__name__}, not an object; {_EXPECTED}")
             for field in ("prompt", "answer"):
@@ -73,6 +76,19 @@ def load_jsonl_prompts(path: str | os.PathLike, tokenizer: Tokenizer | None = No
     if not problems:
         raise ValueError(f"prompt file {str(path)!r} holds no problems; {_EXPECTED}")
     return problems
+
+
+class _DuplicateKey(Exception):
+    """A JSON object with a key twice (``json`` would silently keep the last value)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
 
 
 def _first_bad_char(tokenizer, text: str) -> str:

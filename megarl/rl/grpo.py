@@ -10,12 +10,13 @@ convention, so they too are summed over micro-batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
 
 from megarl.rl.batching import make_batch
+from megarl.rl.rollout_correction import correction_weights
 
 
 @dataclass
@@ -34,6 +35,13 @@ class GRPOConfig:
     """DAPO's dynamic sampling, filter half: groups whose G rewards are all equal carry no
     advantage signal and are not trained (counted as ``zero_var_dropped``); the loss is
     normalised by the tokens of the groups trained. A step left with none takes no update."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correction for an engine whose logprobs differ from the trainer's (megarl/rl/rollout_correction.py):
+    ``tis`` weights each token's policy-gradient term by min(rho, C), ``mis`` by rho where
+    1/C <= rho <= C and 0 elsewhere, rho = pi_old / pi_engine of the sampled token. ``none``: megarl's
+    engine is exact (docs/design.md §1.3), so rho is 1 up to rounding."""
+    rollout_correction_threshold: float = 2.0
+    """C of ``rollout_correction`` (verl's ``rollout_is_threshold``, slime's ``tis_clip``: 2.0)."""
 
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
@@ -41,6 +49,8 @@ class GRPOConfig:
         check_number("grpo.clip_eps_low", self.clip_eps_low, ge=0, le=1, note="the ratio is kept >= 1 - clip_eps_low")
         check_number("grpo.clip_eps_high", self.clip_eps_high, ge=0, note="the ratio is kept <= 1 + clip_eps_high")
         check_number("grpo.kl_coef", self.kl_coef, ge=0, note="0 = no KL term")
+        check_number("grpo.rollout_correction_threshold", self.rollout_correction_threshold, gt=1,
+                     note="tis truncates the ratio at C, mis keeps ratios in [1/C, C]")
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
@@ -85,7 +95,8 @@ def _check_num_tokens(num_tokens: float | Tensor) -> None:
 
 def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
               num_tokens: float | Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
-              kl_coef: float = 0.0, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+              kl_coef: float = 0.0, ref_logprobs: Tensor | None = None,
+              token_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO/PPO surrogate with token-level normalisation over the step.
 
     Shapes: ``logprobs``, ``old_logprobs``, ``loss_mask``, ``ref_logprobs``: [B, T];
@@ -93,10 +104,11 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_m
 
         ratio = exp(logprobs - old_logprobs)
         pg    = -min(ratio * A, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A)
-        tok   = pg + kl_coef * k3(logprobs, ref_logprobs)
+        tok   = w * pg + kl_coef * k3(logprobs, ref_logprobs)
         loss  = sum(tok * mask) / num_tokens
 
-    ``clip_eps_high > clip_eps_low`` is DAPO's clip-higher. Masked positions are excluded with
+    ``w``: ``token_weights`` [B, T], constants (a rollout correction's, megarl/rl/rollout_correction.py),
+    1 when not given. ``clip_eps_high > clip_eps_low`` is DAPO's clip-higher. Masked positions are excluded with
     ``where`` (not multiplied), so padding holding -inf or NaN log-probs cannot poison the loss
     or its gradient.
 
@@ -125,6 +137,11 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_m
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     pg = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        if token_weights.shape != logprobs.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the [B, T] shape "
+                             f"{tuple(logprobs.shape)}")
+        pg = pg * torch.where(mask, token_weights.detach().to(pg.dtype), zero)
     per_token = pg
     metrics: dict[str, float] = {}
     if ref_logprobs is not None:
@@ -219,12 +236,22 @@ def grpo_loss_fn(c: GRPOConfig, num_tokens: float, old: str | None = None) -> Ca
 
     With ``rollout_logprobs`` in the micro-batch (:func:`grpo_batch`) the metrics hold
     ``logprob_diff_max`` (:func:`logprob_diff_max` of this forward), which the trainer reduces by
-    max over micro-batches and data-parallel ranks (its ``*_max`` convention)."""
+    max over micro-batches and data-parallel ranks (its ``*_max`` convention). With
+    ``c.rollout_correction`` the policy-gradient terms are weighted by the correction of the old
+    logprobs against ``rollout_logprobs``, and its metrics (``is_*``) join the step's."""
     def loss_fn(logprobs: Tensor, mb: dict):
         old_lp = mb[old] if old is not None else logprobs.detach()
+        weights, is_metrics = None, {}
+        if c.rollout_correction != "none":
+            if "rollout_logprobs" not in mb:
+                raise ValueError(f"grpo.rollout_correction={c.rollout_correction} needs the engine's logprobs "
+                                 f"(the batch's rollout_logprobs, megarl/rl/grpo.py grpo_batch)")
+            weights, is_metrics = correction_weights(old_lp, mb["rollout_logprobs"], mb["loss_mask"],
+                                                     c.rollout_correction, c.rollout_correction_threshold, num_tokens)
         loss, metrics = grpo_loss(logprobs, old_lp, mb["advantages"], mb["loss_mask"], num_tokens,
                                   clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, kl_coef=c.kl_coef,
-                                  ref_logprobs=mb.get("ref_logprobs"))
+                                  ref_logprobs=mb.get("ref_logprobs"), token_weights=weights)
+        metrics.update(is_metrics)
         if "rollout_logprobs" in mb:
             metrics["logprob_diff_max"] = logprob_diff_max(logprobs, mb["rollout_logprobs"], mb["loss_mask"])
         return loss, metrics

@@ -23,6 +23,10 @@ class RewardConfig:
     """Threads scoring responses as they finish (a sandboxed reward runs one subprocess each)."""
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
     """Limits of rewards that execute model-written code (``data.reward=python_tests``)."""
+    allow_uncontained: bool = False
+    """Run rewards that execute model-written code (``data.reward=python_tests``, HumanEval) on a
+    machine where the sandbox cannot contain them (no working bubblewrap: megarl/rl/sandbox.py),
+    with its limits and network isolation only. False: such a run refuses to start, saying why."""
     adaptive_timeout: bool = True
     """Shorten the sandbox's wall-clock limit to 3x the P95 run time of recent passing programs
     (never above ``sandbox.timeout_s``, never under 1 s): a batch of hanging programs then does

@@ -172,13 +172,27 @@ def sandbox_containment() -> str:
     the first ``run_python`` does."""
     with _probe_lock:
         if "containment" not in _probed:
-            bwrap_problem = _probe_bwrap()
+            bwrap_problem = _bwrap_problem_locked()
             if bwrap_problem is None:
                 _probed["containment"] = "bwrap"
             else:
                 _probed["containment"] = _legacy_isolation_locked()
                 log.warning(_not_contained_warning(bwrap_problem, _probed["containment"]))
         return _probed["containment"]
+
+
+def containment_problem() -> str | None:
+    """None when sandboxed programs are contained here (bubblewrap works), else why not, in words;
+    probed once per process, without the warning :func:`sandbox_containment` logs (for a run's
+    set-up, which refuses to start instead unless told otherwise)."""
+    with _probe_lock:
+        return _bwrap_problem_locked()
+
+
+def _bwrap_problem_locked() -> str | None:
+    if "bwrap_problem" not in _probed:
+        _probed["bwrap_problem"] = _probe_bwrap() or ""
+    return _probed["bwrap_problem"] or None
 
 
 def sandbox_network_isolation() -> str:

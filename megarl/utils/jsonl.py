@@ -25,6 +25,11 @@ from megarl.utils.fs import atomic_write_text, naming_path
 log = logging.getLogger(__name__)
 
 
+class JsonlCorrupted(ValueError):
+    """A line before the last one of a run's JSONL file is not a JSON object: corruption, not a
+    crash (a user error: the CLI prints it as one line, naming ``file:line``)."""
+
+
 def append_line(path: str | os.PathLike, obj: Any) -> None:
     """Append ``obj`` as one JSON line (``json.dumps`` + ``"\\n"``) to ``path``, creating it.
 
@@ -49,9 +54,9 @@ def append_line(path: str | os.PathLike, obj: Any) -> None:
         os.close(fd)
 
 
-def _parse(path: Path) -> list[tuple[int, str, dict]]:
+def _parse(path: Path, warn: bool = True) -> list[tuple[int, str, dict]]:
     """``(1-based line number, raw line with its newline, parsed object)`` of every complete
-    line of ``path``."""
+    line of ``path`` (``warn``: about a torn last line)."""
     data = path.read_bytes()
     pieces = data.split(b"\n")
     # split() gives a last piece after the last newline: b"" for a file that ends with one.
@@ -61,7 +66,7 @@ def _parse(path: Path) -> list[tuple[int, str, dict]]:
     for i, raw in enumerate(pieces):
         start, offset = offset, offset + len(raw) + 1
         if i == last:
-            if raw.strip():  # bytes after the last newline: an append that did not finish
+            if raw.strip() and warn:  # bytes after the last newline: an append that did not finish
                 _warn_torn(path, start, "no newline at the end")
             break
         if not raw.strip():
@@ -72,13 +77,16 @@ def _parse(path: Path) -> list[tuple[int, str, dict]]:
             if not any(p.strip() for p in pieces[i + 1:]):
                 # The last line, newline included, yet unreadable: a crash after the file size
                 # grew but before the data reached the disk leaves zeros (delayed allocation).
-                _warn_torn(path, start, "not valid JSON")
+                if warn:
+                    _warn_torn(path, start, "not valid JSON")
                 break
             reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-            raise ValueError(f"{path}:{i + 1}: malformed JSON line ({reason}) before the last line: the file "
-                             f"is corrupted (an interrupted append only ever leaves the last line torn)") from None
+            raise JsonlCorrupted(f"{path}:{i + 1}: malformed JSON line ({reason}) before the last line: the file "
+                                 f"is corrupted (an interrupted append only ever leaves the last line torn); "
+                                 f"repair or remove that line") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
+            raise JsonlCorrupted(f"{path}:{i + 1}: expected a JSON object, got {type(obj).__name__}; repair or "
+                                 f"remove that line")
         out.append((i + 1, raw.decode() + "\n", obj))
     return out
 
@@ -96,6 +104,11 @@ def read_lines(path: str | os.PathLike) -> list[dict]:
     ``file:line``. A missing file raises ``FileNotFoundError``.
     """
     return [obj for _, _, obj in _parse(Path(path))]
+
+
+def check_lines(path: str | os.PathLike) -> None:
+    """Raise :class:`JsonlCorrupted` if :func:`read_lines` would (quietly: no torn-line warning)."""
+    _parse(Path(path), warn=False)
 
 
 def read_numbered_lines(path: str | os.PathLike) -> list[tuple[int, dict]]:

@@ -9,8 +9,11 @@ Why ``flock``: the kernel releases it when the holder's last file descriptor clo
 that crashes, is SIGKILLed or loses its node (on a local file system) never leaves a lock that
 blocks the next run. The lock *file* stays behind after a crash with the dead holder's pid, host
 and start time in it; the next run simply takes it over (the flock, not the file, is the lock)
-and logs whose it was. Nothing is unlinked on release: deleting a lock file races with a second
-process that already opened it (two holders of two different files).
+and logs whose it was. A run's release leaves the file; a refused start removes it
+(``release(remove=True)``, while still holding the flock) so that it leaves nothing behind. Deleting
+a lock file races with a process that opened it just before: it would lock the deleted file while a
+third opens a new one (two holders of two files). So ``acquire`` checks, once it holds the flock,
+that the file it locked is still the one at the path, and opens it again if not.
 
 Multi-process runs: only rank 0 takes the lock, and it must do so before any process writes to
 the run directory. ``RunLock`` needs no process group, so rank 0 can take it first thing (before
@@ -67,16 +70,20 @@ class RunLock:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(f"run dir {self.run_dir} exists and is not a directory; pick another --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _live_holder(fd)
-            os.close(fd)
-            raise RunDirLocked(_held_message(self.run_dir, self.path, holder), holder) from None
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _live_holder(fd)
+                os.close(fd)
+                raise RunDirLocked(_held_message(self.run_dir, self.path, holder), holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _is_at(fd, self.path):
+                break
+            os.close(fd)  # a refused start removed the file after we opened it: lock the current one
         try:
             stale = _read_holder(fd)
             if stale:
@@ -89,13 +96,17 @@ class RunLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
-        """Empty the file (no holder) and drop the lock; a no-op when not held."""
+    def release(self, remove: bool = False) -> None:
+        """Empty the file (no holder) and drop the lock; a no-op when not held. ``remove``: delete
+        the file first (a refused start, which must leave nothing behind)."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)
+            if remove:
+                self.path.unlink(missing_ok=True)
+            else:
+                os.ftruncate(fd, 0)
         except OSError:
             pass   # a full or read-only disk must not keep the lock: closing releases it anyway
         finally:
@@ -117,6 +128,16 @@ def lock_run_dir(run_dir: str | os.PathLike, rank: int | None = None) -> RunLock
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     return RunLock(run_dir).acquire() if rank == 0 else None
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """The open file ``fd`` is the file at ``path`` (not one deleted since it was opened)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _read_holder(fd: int) -> dict:

@@ -311,9 +311,13 @@ def converted(tmp_path) -> Path:
 
 
 def _edit_meta(ckpt: Path, **fields) -> None:
+    """meta.json with ``fields`` changed and its own checksum recomputed (as a writer with a bug
+    would leave it): the field checks must catch it, not the checksum."""
+    from megarl.checkpoint.convert_checksums import seal_meta
+
     meta = json.loads((ckpt / "meta.json").read_text())
     meta.update(fields)
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "meta.json").write_text(json.dumps(seal_meta(meta)))
 
 
 def _hand_edited(ckpt: Path) -> None:

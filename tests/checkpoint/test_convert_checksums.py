@@ -96,6 +96,37 @@ def test_folder_without_checksums_still_converts_with_one_warning(converted, cap
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def test_changed_meta_json_is_refused_by_the_cli(converted, capsys):
+    """One character of ``rope_theta`` changed in meta.json (whose hf_config becomes the output's
+    config.json): ``megarl convert mcore-to-hf`` ends with one error line naming meta.json and its
+    checksum, exit 2, nothing written; before, it exited 0 with the changed config."""
+    from megarl.cli import main
+
+    text = (converted / "meta.json").read_text()
+    theta = json.loads(text)["hf_config"]["rope_theta"]
+    assert text.count(f'"rope_theta": {theta}') == 1
+    (converted / "meta.json").write_text(text.replace(f'"rope_theta": {theta}', f'"rope_theta": {theta}1'))
+    out = converted.parent / "back"
+    capsys.readouterr()
+    rc = main(["convert", "mcore-to-hf", "--ckpt", str(converted), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and "Traceback" not in err, err
+    assert lines[-1] == (f"megarl: error: {converted / 'meta.json'} does not match its own checksum (checksums.meta): "
+                         f"the file was changed after it was written; convert the model again")
+    assert nothing_at(out)
+
+
+def test_meta_json_without_its_own_checksum_reads_with_one_warning(converted, caplog):
+    """A folder converted before meta.json had a checksum of its own still converts, saying so."""
+    meta = json.loads((converted / "meta.json").read_text())
+    del meta["checksums"]["meta"]
+    (converted / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger="megarl.checkpoint.convert_checksums"):
+        cv.mcore_to_hf(converted, converted.parent / "back", progress=False)
+    assert any("no checksum of its own" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("checksums, match", [
     ("sha256", "field 'checksums' is not"),
     ({"algorithm": "md4", "pieces": {}, "files": {}}, "checksum algorithm .md4. is not supported"),
