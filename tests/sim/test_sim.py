@@ -10,7 +10,6 @@ import pytest
 from megarl.cli import main
 from megarl.sim.hardware import QWEN25_7B, LinearProfile, h100
 from megarl.sim.lengths import PRESETS, ReplayLengths, StepLengths, draw, stats
-from megarl.sim.placement import place
 from megarl.sim.rollout import run_rollout
 from megarl.sim.run import parse_sweep
 from megarl.sim.share import run_phase
@@ -70,17 +69,6 @@ def test_single_rank_without_features_has_no_bubble():
     res4, _ = simulate_step(sl, frozenset(), h100(), StepKnobs(), SpecModel(), 4, CarryOver(),
                             np.random.default_rng(0))
     assert res4.bubble_frac > 0.0  # and replicas that wait do show it
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_lpt_never_worse_than_round_robin(seed):
-    rng = np.random.default_rng(seed)
-    work = np.exp(rng.normal(6, 1.2, int(rng.integers(8, 200))))
-    replicas = int(rng.integers(2, 9))
-    load = lambda a: max(work[x].sum() for x in a)
-    assert load(place(work, replicas, "lpt")) <= load(place(work, replicas, "round_robin")) + 1e-9
-    lpt = place(work, replicas, "lpt")
-    assert sorted(np.concatenate(lpt).tolist()) == list(range(len(work)))  # every prompt placed once
 
 
 def test_speculation_cuts_decode_steps():
