@@ -1,4 +1,4 @@
-"""Length-aware placement of a step's prompts on the rollout replicas (issue 6, HistoPipe-like).
+"""Length-aware placement of a step's prompts on the rollout replicas (HistoPipe-like; docs/design.md §6).
 
 A synchronous step ends when its slowest replica ends, so prompts are spread to balance the
 *predicted* work, not their count. The prediction for a prompt is the mean response length of
