@@ -252,7 +252,7 @@ def test_replay_rebuilds_tail_rounds_in_admission_order(tmp_path):
     replay (its metrics say another round kind) is refused."""
     from megarl.config import dump_config, load_config
     from megarl.sched.prompts import PromptSchedule
-    from megarl.sim.replay import _tail_rounds
+    from benchmarks.sim_replay import _tail_rounds
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=4", "tail.enabled=true",
                              "tail.overprovision=2.0", "rl_steps=6"])
@@ -279,7 +279,7 @@ def test_replay_runs_deferred_prompts_as_the_stop_left_them(tmp_path):
     is done; the fallback (the lengths a later long round regenerated, here 5) ends it early."""
     from megarl.config import dump_config, load_config
     from megarl.sched.prompts import PromptSchedule
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=2", "rollout.group_size=2",
                              "tail.enabled=true", "tail.overprovision=2.0", "rl_steps=2",
@@ -322,7 +322,7 @@ def test_replay_speeds_up_each_response_by_its_own_acceptance(tmp_path):
     the uncovered 100-token one, the critical path, faster. With the step's mean (an older dump
     without ``forwards``) it would take 100 / 1.96 iterations."""
     from megarl.config import dump_config, load_config
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
 
     cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "spec.enabled=true",
                              "rl_steps=2", "stream_train=false", "rollout.max_new_tokens=200"])
