@@ -1,4 +1,4 @@
-"""In-process parts of the GPU runbook (``megarl/bench/gpu.py`` starts each in its own process, so
+"""In-process parts of the GPU runbook (``runner.py`` starts each in its own process, so
 that a crash, a hang or a CUDA error ends only that part):
 
 - ``env``: what the figures were measured on: the device (name, capability, memory, SMs, driver),

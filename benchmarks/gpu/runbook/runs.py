@@ -1,4 +1,4 @@
-"""Parts of the GPU runbook that drive existing entry points (``megarl/bench/gpu.py`` starts each
+"""Parts of the GPU runbook that drive existing entry points (``runner.py`` starts each
 in its own process); each appends its rows to its JSONL file as it goes (:mod:`benchmarks.gpu.runbook.rows`):
 
 - ``pytest``: the ``gpu``-marked tests (every test file under tests/ that marks one), one pytest
@@ -89,7 +89,7 @@ def pytest_part(work: Path, rows: Rows, shapes: PytestShapes, dry_run: bool) -> 
         xml.unlink(missing_ok=True)
         info.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        # under gpu_child --strict: the file's peak GPU memory, tests otherwise untouched
+        # under child.py --strict: the file's peak GPU memory, tests otherwise untouched
         proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.runbook.child", "--strict", str(info), "pytest", *base,
                                f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True, text=True)
         dt = time.perf_counter() - t0
