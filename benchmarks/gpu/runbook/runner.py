@@ -119,7 +119,8 @@ def part_env(dry_run: bool) -> dict:
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if dry_run:  # tiny shapes gain nothing from threads, and on shared cores OpenMP's spinning threads
         env["OMP_NUM_THREADS"] = "1"  # made the identity part 20x slower (measured: 177 s vs 7.5 s)
-    root = str(Path(__file__).resolve().parents[3])  # this checkout's megarl and benchmarks, also in the part's children
+    # the repository root: this checkout's megarl and benchmarks, also in the part's children
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return env
 

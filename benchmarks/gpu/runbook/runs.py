@@ -90,8 +90,9 @@ def pytest_part(work: Path, rows: Rows, shapes: PytestShapes, dry_run: bool) -> 
         info.unlink(missing_ok=True)
         t0 = time.perf_counter()
         # under child.py --strict: the file's peak GPU memory, tests otherwise untouched
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.runbook.child", "--strict", str(info), "pytest", *base,
-                               f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.runbook.child", "--strict", str(info), "pytest",
+                               *base, f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True,
+                              text=True)
         dt = time.perf_counter() - t0
         out["seconds"] += dt
         peak = json.loads(info.read_text()).get("peak_gib") if info.is_file() else None
