@@ -8,7 +8,8 @@ CONFIG ?= configs/tiny.yaml
 
 .PHONY: venv run smoke test clean smollm2
 
-$(VENV)/.installed: requirements.txt constraints.txt setup.py csrc/suffix_index.cpp
+# Every C++ extension source (setup.py builds each into megarl/): a changed one rebuilds the venv's install.
+$(VENV)/.installed: requirements.txt constraints.txt setup.py $(wildcard csrc/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements.txt

@@ -390,7 +390,7 @@ def fit_real_runs(config: str, from_hf: str, procs: list[int], steps: int, seed:
     import tempfile
 
     from megarl.bench.schedule import COMMON, VARIANTS, launch_train
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
 
     flat = dataclasses.replace(profile, slowdown={"1": 1.0}, train_slowdown=None, bubble_interference=1.0)
     slow, train_slow, raw = {"1": 1.0}, {"1": 1.0}, {}

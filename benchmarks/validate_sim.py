@@ -21,7 +21,7 @@ calibration speed (``LinearProfile.at_speed``). The speed factor and the predict
 For each work dir (every run in it: ``baseline``, ``megarl``, ``tail`` and, with ``bench schedule
 --ablations``, the megarl runs with one feature off; or a single ``megarl train`` run folder; the
 process count is read from the bench's JSON next to it, ``<D>.json``, or ``--nproc``), every step is replayed through
-the simulator with the calibrated ``cpu`` profile (megarl/sim/replay.py: the run's own response
+the simulator with the calibrated ``cpu`` profile (benchmarks/sim_replay.py: the run's own response
 lengths, length history and measured acceptance) and the mean step and rollout times are
 printed predicted vs measured, with the relative error. The target is |error| <= 20% on step time.
 """
@@ -50,7 +50,7 @@ def main() -> int:
     args = ap.parse_args()
     from megarl.sim.hardware import load_profile
     from megarl.sim.probe import speed_ratio
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
     from megarl.utils.fs import atomic_write_text
 
     profiles = [load_profile(p) for p in (args.profile or ["cpu"])]

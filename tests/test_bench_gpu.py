@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.bench.gpu import DEFAULT_PARTS, failed_parts, merge, part_env, run_runbook
-from megarl.bench.gpu_profiles import BUDGETS_S, DEADLINE_S, ORDER as PROFILE_ORDER
-from megarl.bench.gpu_rows import read_rows
+from benchmarks.gpu.runbook.runner import DEFAULT_PARTS, failed_parts, main, merge, part_env, run_runbook
+from benchmarks.gpu.runbook.profiles import BUDGETS_S, DEADLINE_S, ORDER as PROFILE_ORDER
+from benchmarks.gpu.runbook.rows import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["env", "fail", "hang", *[p for p in DEFAULT_PARTS if p != "env"]]
@@ -35,7 +35,7 @@ def dry(tmp_path_factory):
 
 def _runner(out: Path, work: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "megarl.bench.gpu", "--out", str(out), "--work-dir", str(work),
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.runbook", "--out", str(out), "--work-dir", str(work),
                              "--dry-run", "--profile", "quick", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -195,18 +195,16 @@ def test_rerun_failed_picks_what_did_not_finish(tmp_path):
 
 
 def test_rerun_failed_command_runs_only_those(tmp_path, capsys):
-    from megarl.cli import main
-
     prev = tmp_path / "prev"
     prev.mkdir()
     (prev / "summary.json").write_text(json.dumps({"parts_requested": ["env", "fail"], "parts": {
         "env": {"status": "ok"}, "fail": {"status": "failed"}}}))
     out = tmp_path / "out"
-    assert main(["bench", "gpu", "--out", str(out), "--work-dir", str(tmp_path / "w"), "--rerun-failed", str(prev),
+    assert main(["--out", str(out), "--work-dir", str(tmp_path / "w"), "--rerun-failed", str(prev),
                  "--dry-run", "--profile", "quick"]) == 1
     assert list(json.loads((out / "summary.json").read_text())["parts"]) == ["fail"]
     (prev / "summary.json").write_text(json.dumps({"parts_requested": ["env"], "parts": {"env": {"status": "ok"}}}))
-    assert main(["bench", "gpu", "--out", str(tmp_path / "none"), "--rerun-failed", str(prev)]) == 0
+    assert main(["--out", str(tmp_path / "none"), "--rerun-failed", str(prev)]) == 0
     assert "nothing to rerun" in capsys.readouterr().out and not (tmp_path / "none").exists()
 
 
@@ -237,9 +235,7 @@ def test_merge_of_a_run_and_its_rerun(dry, tmp_path):
                                          (["--set", "prompt_len=8"], "--set 'prompt_len=8' is invalid"),
                                          (["--parts", "env", "--rerun-failed", "x"], "give one of them")])
 def test_bad_arguments_one_error_line(tmp_path, capsys, args, says):
-    from megarl.cli import main
-
-    assert main(["bench", "gpu", "--out", str(tmp_path / "o"), *args]) == 2
+    assert main(["--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert says in err and "megarl: error:" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()  # nothing ran, nothing written
@@ -301,7 +297,7 @@ def test_child_records_nondeterministic_ops_instead_of_failing(tmp_path):
         "print('went on')\n")
     info = tmp_path / "info.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_child", str(info), "nondet_mod"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.runbook.child", str(info), "nondet_mod"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "went on" in proc.stdout

@@ -55,7 +55,7 @@ def test_each_ablation_turns_off_its_feature_only(name, off):
 
     from megarl.bench.schedule import ABLATIONS, COMMON, VARIANTS
     from megarl.config import dump_config, load_config
-    from megarl.sim.replay import features_of
+    from benchmarks.sim_replay import features_of
 
     def features(overrides):
         cfg = yaml.safe_load(dump_config(load_config("configs/tiny.yaml", [*COMMON, *overrides])))

@@ -1,6 +1,7 @@
-"""The package's shape (issue 22): no import cycles, between modules or between packages, counting
+"""The package's shape (docs/design.md): no import cycles, between modules or between packages, counting
 imports inside functions too (a lazy import that holds a cycle together is still a cycle); no
-module over 450 lines; the step function one screen long."""
+module over 450 lines; the step function one screen long; no developer tool (the GPU runbook) in
+the installed package."""
 import ast
 import inspect
 from collections import defaultdict
@@ -91,6 +92,26 @@ def test_the_checker_finds_a_cycle():
 def test_modules_are_small():
     big = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert big == {}
+
+
+def _imported_roots(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_no_gpu_runbook_module_in_the_installed_package():
+    """The GPU runbook is a developer tool (benchmarks/gpu/runbook/, docs/gpu/README.md): none of
+    its modules ships in ``megarl``, and no ``megarl`` module imports the top-level ``benchmarks``."""
+    runbook = {p.stem for p in (ROOT.parent / "benchmarks" / "gpu" / "runbook").glob("*.py")}
+    assert {"runner", "parts", "runs", "identity", "child", "profiles", "rows", "report"} <= runbook
+    shipped = [str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+               if p.stem == "gpu" or p.stem.startswith("gpu_") or "benchmarks" in _imported_roots(p)]
+    assert shipped == []
 
 
 def test_the_step_is_one_screen():

@@ -9,7 +9,7 @@
 # earlier run's out folder, copied into the checkout), DEADLINE (seconds for all parts; default per
 # profile), WHEELS (default .whl: what benchmarks/gpu/fetch_wheels.sh fetched), MEGARL_SITE (where
 # they are installed; default /tmp/megarl-site). Arguments go to
-# `python -m megarl.bench.gpu`.
+# `python -m benchmarks.gpu.runbook`.
 # Exit status: 0 when every part succeeded, 1 when one failed (the rest still ran), 2 on bad input.
 set -u
 cd "$(dirname "$0")/../.." || exit 2
@@ -47,5 +47,5 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCHDYNAMO_DISABLE="${TORCHDYNAMO_DISABLE:-1}"
 export MEGARL_GPU_WORK="${MEGARL_GPU_WORK:-/tmp/megarl-gpu-work}"  # run dirs, logs: not under $OUT (8 files back)
 
-"$PY" -m megarl.bench.gpu --out "$OUT" --work-dir "$MEGARL_GPU_WORK" --profile "${PROFILE:-quick}" \
+"$PY" -m benchmarks.gpu.runbook --out "$OUT" --work-dir "$MEGARL_GPU_WORK" --profile "${PROFILE:-quick}" \
   ${PARTS:+--parts "$PARTS"} ${RERUN:+--rerun-failed "$RERUN"} ${DEADLINE:+--deadline "$DEADLINE"} "$@"

@@ -1,4 +1,4 @@
-"""``megarl bench drafter``: the learned drafter (issue 7), trained in bubbles, measured in one run.
+"""``megarl bench drafter``: the learned drafter, trained in bubbles, measured in one run.
 
 1. The config's SFT warm-up, once, on one process (or ``--from-hf``).
 2. RL runs of ``--steps`` steps on ``--nproc`` processes (``torchrun``, the config's layout)

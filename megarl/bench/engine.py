@@ -1,4 +1,4 @@
-"""``megarl bench engine``: decode throughput of the native rollout engine (issue 9).
+"""``megarl bench engine``: decode throughput of the native rollout engine.
 
 For a Qwen2.5-1.5B-shaped model with random weights (``--model-size 1.5b``; ``tiny`` is a small
 model of the same family for CPU runs), at each batch size B:

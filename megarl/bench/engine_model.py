@@ -1,5 +1,5 @@
-"""``megarl bench engine --model HF_DIR``: the engine's decode tokens/s on real weights (issue 23
-item 1; e.g. SmolLM2-135M from ``megarl fetch smollm2``) next to ``transformers`` ``generate``.
+"""``megarl bench engine --model HF_DIR``: the engine's decode tokens/s on real weights (e.g.
+SmolLM2-135M from ``megarl fetch smollm2``) next to ``transformers`` ``generate``.
 
 For each dtype, response-length mode and batch size B, greedy (T=0), B requests of
 ``--prompt-len`` random prompt tokens, one process, the same torch thread count on both sides:

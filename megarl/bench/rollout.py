@@ -213,7 +213,7 @@ def _summary(rows: list[dict], cfg: RunConfig) -> dict:
         # The same probe steps' bubble drafts, made with this step's noise vs with unrelated noise.
         "bubble_uncoupled": _pooled(bubble_rows, "bubble_uncoupled"),
         # Speculated responses that differ from the plain ones, per 10k generated tokens (0 is the
-        # contract; in bf16 it measures how batch-shape-invariant the logits are, issue 23 item 4).
+        # contract; in bf16 it measures how batch-shape-invariant the logits are: docs/design.md §1.1).
         "mismatch_per_10k_tokens": {n: _pooled(rows, n)["mismatch_per_10k_tokens"] for n in names},
         "bubble_coupled": _pooled(bubble_rows, "bubble"),
         "ar_time_s": sum(r["ar"]["time_s"] for r in rows),

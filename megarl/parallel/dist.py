@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ParallelDims:
-    """Parallel sizes and process groups of this process (later issues add CP/VPP fields)."""
+    """Parallel sizes and process groups of this process (no context parallelism yet)."""
 
     world_size: int
     """Number of processes in the default group."""

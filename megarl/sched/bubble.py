@@ -1,5 +1,5 @@
 """Bubble work: what a rollout replica does between finishing its share of a step and the end of
-the step's rollout phase (issue 6 item 3; BubbleSpec, RollPacker, TLT).
+the step's rollout phase (docs/design.md §3 step 2; BubbleSpec, RollPacker, TLT).
 
 The work comes in small units (one engine iteration of pre-generation, one group's
 forward/backward of stream training), and before each unit the replica asks whether the rollout

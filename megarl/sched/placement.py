@@ -1,4 +1,4 @@
-"""Length-aware placement of a step's prompts on the rollout replicas (issue 6, HistoPipe-like).
+"""Length-aware placement of a step's prompts on the rollout replicas (HistoPipe-like; docs/design.md §6).
 
 A synchronous step ends when its slowest replica ends, so prompts are spread to balance the
 *predicted* work, not their count. The prediction for a prompt is the mean response length of
@@ -12,6 +12,7 @@ token depends on the prompt, seed, step, uid, sample and position, not on the ba
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 PLACEMENTS = ("round_robin", "length")
 
@@ -40,17 +41,30 @@ class LengthHistory:
         return sum(self.last.values()) / len(self.last) if self.last else 1.0
 
 
+def round_robin(n: int, replicas: int) -> list[list[int]]:
+    """Indices ``0..n-1`` dealt to the replicas in turn (by position; what veRL does)."""
+    return [list(range(r, n, replicas)) for r in range(replicas)]
+
+
+def lpt(work: Sequence[float], replicas: int) -> list[list[int]]:
+    """Indices into ``work`` for each replica (each list in ascending order): longest predicted
+    work first onto the replica with the least predicted work so far; ties break by position.
+    The one placement algorithm: the step (:func:`place`) and the simulator (megarl/sim/step.py)
+    both call it."""
+    order = sorted(range(len(work)), key=lambda j: (-work[j], j))
+    heap = [(0.0, r) for r in range(replicas)]  # (predicted work, replica)
+    out: list[list[int]] = [[] for _ in range(replicas)]
+    for j in order:
+        load, r = heapq.heappop(heap)
+        out[r].append(j)
+        heapq.heappush(heap, (load + work[j], r))
+    return [sorted(x) for x in out]
+
+
 def place(uids: list[int], replicas: int, policy: str, history: LengthHistory | None = None) -> list[list[int]]:
     """Indices into ``uids`` for each replica (each list in ascending order)."""
     if policy not in PLACEMENTS:
         raise ValueError(f"placement policy {policy!r} is invalid; valid choices: {list(PLACEMENTS)}")
     if policy == "round_robin" or history is None:
-        return [list(range(r, len(uids), replicas)) for r in range(replicas)]
-    order = sorted(range(len(uids)), key=lambda j: (-history.predict(uids[j]), j))
-    heap = [(0.0, r) for r in range(replicas)]  # (predicted work, replica)
-    out: list[list[int]] = [[] for _ in range(replicas)]
-    for j in order:
-        work, r = heapq.heappop(heap)
-        out[r].append(j)
-        heapq.heappush(heap, (work + history.predict(uids[j]), r))
-    return [sorted(x) for x in out]
+        return round_robin(len(uids), replicas)
+    return lpt([history.predict(u) for u in uids], replicas)

@@ -1,4 +1,4 @@
-"""Tail batching (RollPacker; issue 6 item 4, opt-in: ``tail.enabled``).
+"""Tail batching (RollPacker, docs/design.md §3 step 1; opt-in: ``tail.enabled``).
 
 A synchronous step waits for its longest response. Tail batching stops waiting: a *short round*
 starts ``ceil(overprovision * P)`` fresh prompts (G samples each) and ends as soon as P of them

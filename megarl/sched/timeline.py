@@ -1,4 +1,5 @@
-"""Per-rank timeline of each RL step: what every process did when (issue 6, bubble accounting).
+"""Per-rank timeline of each RL step: what every process did when, from which
+the bubble fraction is computed (docs/design.md §3 step 6).
 
 Each process records its own phases (``generate``, ``reward``, ``bubble`` work, ``idle``,
 ``train``, ``sync``) in seconds from its own start of the step. Processes do not start a step

@@ -152,3 +152,15 @@ class ReplayLengths:
 
     def step(self, i: int) -> StepLengths:
         return self.steps[i % len(self.steps)]
+
+
+def noisy_prediction(expected: np.ndarray, rng: np.random.Generator, sigma: float, coverage: float = 1.0
+                     ) -> np.ndarray:
+    """What megarl's length history (megarl/sched/placement.py ``LengthHistory``) would predict:
+    ``expected`` with log-normal noise for the ``coverage`` share of prompts seen before; the
+    mean of the seen predictions for the rest."""
+    pred = np.asarray(expected, dtype=np.float64) * np.exp(rng.normal(0.0, sigma, len(expected)))
+    seen = rng.random(len(expected)) < coverage
+    if not seen.any():
+        return np.ones(len(expected))
+    return np.where(seen, pred, pred[seen].mean())

@@ -2,8 +2,9 @@
 
 The step of megarl/train.py, as events on every rank:
 
-1. **Placement** of the step's prompts on the R rollout replicas (round robin, or LPT on noisy
-   history predictions: megarl/sim/placement.py).
+1. **Placement** of the step's prompts on the R rollout replicas: megarl's own algorithm
+   (megarl/sched/placement.py: round robin, or LPT) on noisy history predictions
+   (megarl/sim/lengths.py ``noisy_prediction``). A group stays on one replica.
 2. **Rollout**: every replica runs its share (megarl/sim/rollout.py), with speculation when on
    (acceptance per source, bubble-draft prefixes from the previous step: megarl/sim/spec.py).
    A replica that is done does *bubble work* until the last one is: stream training of its own
@@ -30,9 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megarl.sched.placement import lpt, round_robin
 from megarl.sim.hardware import Profile
-from megarl.sim.lengths import StepLengths
-from megarl.sim.placement import noisy_prediction, place, to_matrix
+from megarl.sim.lengths import StepLengths, noisy_prediction
 from megarl.sim.rollout import run_rollout
 from megarl.sim.share import run_phase
 from megarl.sim.spec import SpecModel
@@ -94,6 +95,16 @@ class CarryOver:
     drafter_fresh: float = 0.0
 
 
+def to_matrix(values: np.ndarray, assignment: list[np.ndarray], fill=0) -> np.ndarray:
+    """Per-prompt rows ``values[p]`` (shape [P, ...]) laid out as [replicas, max prompts per
+    replica, ...], padded with ``fill``."""
+    width = max((len(a) for a in assignment), default=0)
+    out = np.full((len(assignment), width, *values.shape[1:]), fill, dtype=values.dtype)
+    for r, a in enumerate(assignment):
+        out[r, :len(a)] = values[a]
+    return out
+
+
 def tail_share(finish: np.ndarray, rollout_s: float) -> float:
     """(last finish - time by which 90% of the responses finished) / rollout phase."""
     f = np.sort(np.asarray(finish, dtype=np.float64).ravel())
@@ -124,9 +135,10 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     if "placement" in features:
         p = pred if pred is not None else noisy_prediction(sl.expected, rng, knobs.predictor_sigma,
                                                             spec.history_coverage)
-        assign = place(p, R, "lpt")
+        placed = lpt(np.asarray(p, dtype=np.float64).tolist(), R)
     else:
-        assign = place(np.ones(P), R, "round_robin")
+        placed = round_robin(P, R)
+    assign = [np.asarray(a, dtype=np.int64) for a in placed]
     lens = to_matrix(sl.lengths, assign).reshape(R, -1)
     prompt = to_matrix(np.repeat(sl.prompt_len[:, None], G, axis=1), assign).reshape(R, -1)
     # 2. rollout

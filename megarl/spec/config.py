@@ -11,7 +11,7 @@ STRATEGIES = ("combined", "drafter", "sources", "bandit")
 
 @dataclass
 class DrafterConfig:
-    """The learned EAGLE-style drafter (issue 7, TLT; megarl/spec/drafter.py): one decoder layer
+    """The learned EAGLE-style drafter (TLT; megarl/spec/drafter.py): one decoder layer
     over the target's last hidden states and the token embeddings, using the target's (frozen)
     embedding and LM head. Its draft tokens are sampled with the request's own counter-based
     noise (coupled drafts), and verification is unchanged: output stays token-identical."""

@@ -1,4 +1,4 @@
-"""The learned drafter (issue 7; EAGLE, trained on idle ranks as in TLT): one decoder layer that
+"""The learned drafter (EAGLE, trained on idle ranks as in TLT; docs/design.md §6): one decoder layer that
 reads the target's last hidden states and the token embeddings and predicts the target's next
 hidden state, from which the target's own (frozen) LM head gives next-token logits.
 

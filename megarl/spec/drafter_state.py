@@ -1,4 +1,4 @@
-"""The learned drafter's share of an RL checkpoint (issue 7): what a resumed run needs for its
+"""The learned drafter's share of an RL checkpoint (docs/design.md §5): what a resumed run needs for its
 drafter, its training and its strategy choices to continue exactly as in the uninterrupted run.
 
 Per rollout replica, one file ``drafter_replica<r>.pt`` in the checkpoint directory

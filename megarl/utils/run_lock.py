@@ -1,7 +1,7 @@
 """One run per run directory: an advisory ``flock`` on ``RUN_DIR/.lock``, held for the whole run.
 
 Why: two ``megarl train`` on one ``--run-dir`` both used to run to the end, interleaving
-``metrics.jsonl`` and overwriting each other's config, checkpoints and export (issue 24). The
+``metrics.jsonl`` and overwriting each other's config, checkpoints and export. The
 "directory already holds a run" check cannot see a run still in its SFT window, whereas a lock
 held from before the first write to the last one can.
 

@@ -10,7 +10,6 @@ import pytest
 from megarl.cli import main
 from megarl.sim.hardware import QWEN25_7B, LinearProfile, h100
 from megarl.sim.lengths import PRESETS, ReplayLengths, StepLengths, draw, stats
-from megarl.sim.placement import place
 from megarl.sim.rollout import run_rollout
 from megarl.sim.run import parse_sweep
 from megarl.sim.share import run_phase
@@ -70,17 +69,6 @@ def test_single_rank_without_features_has_no_bubble():
     res4, _ = simulate_step(sl, frozenset(), h100(), StepKnobs(), SpecModel(), 4, CarryOver(),
                             np.random.default_rng(0))
     assert res4.bubble_frac > 0.0  # and replicas that wait do show it
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_lpt_never_worse_than_round_robin(seed):
-    rng = np.random.default_rng(seed)
-    work = np.exp(rng.normal(6, 1.2, int(rng.integers(8, 200))))
-    replicas = int(rng.integers(2, 9))
-    load = lambda a: max(work[x].sum() for x in a)
-    assert load(place(work, replicas, "lpt")) <= load(place(work, replicas, "round_robin")) + 1e-9
-    lpt = place(work, replicas, "lpt")
-    assert sorted(np.concatenate(lpt).tolist()) == list(range(len(work)))  # every prompt placed once
 
 
 def test_speculation_cuts_decode_steps():
@@ -264,7 +252,7 @@ def test_replay_rebuilds_tail_rounds_in_admission_order(tmp_path):
     replay (its metrics say another round kind) is refused."""
     from megarl.config import dump_config, load_config
     from megarl.sched.prompts import PromptSchedule
-    from megarl.sim.replay import _tail_rounds
+    from benchmarks.sim_replay import _tail_rounds
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=4", "tail.enabled=true",
                              "tail.overprovision=2.0", "rl_steps=6"])
@@ -291,7 +279,7 @@ def test_replay_runs_deferred_prompts_as_the_stop_left_them(tmp_path):
     is done; the fallback (the lengths a later long round regenerated, here 5) ends it early."""
     from megarl.config import dump_config, load_config
     from megarl.sched.prompts import PromptSchedule
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
 
     cfg = load_config(None, ["task.num_prompts=16", "rollout.prompts_per_step=2", "rollout.group_size=2",
                              "tail.enabled=true", "tail.overprovision=2.0", "rl_steps=2",
@@ -334,7 +322,7 @@ def test_replay_speeds_up_each_response_by_its_own_acceptance(tmp_path):
     the uncovered 100-token one, the critical path, faster. With the step's mean (an older dump
     without ``forwards``) it would take 100 / 1.96 iterations."""
     from megarl.config import dump_config, load_config
-    from megarl.sim.replay import replay_run
+    from benchmarks.sim_replay import replay_run
 
     cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "spec.enabled=true",
                              "rl_steps=2", "stream_train=false", "rollout.max_new_tokens=200"])

@@ -1,5 +1,5 @@
 """Runs a module as ``__main__`` the way the GPU runbook needs its child processes run:
-``python -m megarl.bench.gpu_child [--strict] INFO_JSON MODULE ARGS...``.
+``python -m benchmarks.gpu.runbook.child [--strict] INFO_JSON MODULE ARGS...``.
 
 - At exit it writes ``INFO_JSON``: the process's peak GPU memory (``torch.cuda.max_memory_allocated``,
   None if it never used CUDA) and the ops that have no deterministic CUDA kernel.
@@ -17,7 +17,7 @@ import runpy
 import sys
 import warnings
 
-from megarl.bench.gpu_rows import cuda_peak_gib
+from benchmarks.gpu.runbook.rows import cuda_peak_gib
 from megarl.utils.fs import atomic_write_text
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     strict = bool(args) and args[0] == "--strict"
     args = args[1:] if strict else args
     if len(args) < 2:
-        raise SystemExit("usage: python -m megarl.bench.gpu_child [--strict] INFO_JSON MODULE [ARGS...]")
+        raise SystemExit("usage: python -m benchmarks.gpu.runbook.child [--strict] INFO_JSON MODULE [ARGS...]")
     info_path, module, rest = args[0], args[1], args[2:]
     import torch
 

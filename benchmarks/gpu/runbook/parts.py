@@ -1,4 +1,4 @@
-"""In-process parts of the GPU runbook (``megarl/bench/gpu.py`` starts each in its own process, so
+"""In-process parts of the GPU runbook (``runner.py`` starts each in its own process, so
 that a crash, a hang or a CUDA error ends only that part):
 
 - ``env``: what the figures were measured on: the device (name, capability, memory, SMs, driver),
@@ -11,7 +11,7 @@ that a crash, a hang or a CUDA error ends only that part):
   it is killed: the runbook's own tests (a failing part is recorded and the others still run; a
   part over its limit is killed; a part killed mid-way keeps its rows in the report).
 
-Usage: ``python -m megarl.bench.gpu_parts {env,fail,hang,rows} --rows PATH [--shapes JSON]
+Usage: ``python -m benchmarks.gpu.runbook.parts {env,fail,hang,rows} --rows PATH [--shapes JSON]
 [--dry-run]``.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.bench.gpu_profiles import EnvShapes
-from megarl.bench.gpu_rows import Rows
+from benchmarks.gpu.runbook.profiles import EnvShapes
+from benchmarks.gpu.runbook.rows import Rows
 
 # Model shapes the runbook builds with random weights (no weights travel to the GPU machine).
 SHAPES = {
@@ -180,7 +180,7 @@ def env_part(shapes: EnvShapes, rows: Rows, work: Path) -> dict:
 
 # ------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megarl.bench.gpu_parts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.runbook.parts", description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=["env", "fail", "hang", "rows"])
     p.add_argument("--rows", required=True, help="the part's JSONL file (rows as they finish, then the result)")
     p.add_argument("--shapes", default="{}", help="the part's section of the runbook's shapes, as JSON")

@@ -4,7 +4,7 @@ four sources together), over two RL steps with a weight update between them, on 
 as divergences per 10k tokens (a divergence is the first token where a response differs from the
 reference; what follows it is not counted). Controls: the reference run repeated, and run with a
 smaller batch (batch-shape rounding without speculation). A row per KV cache, step and variant
-(:mod:`megarl.bench.gpu_rows`), so a part cut at its limit keeps the comparisons it finished.
+(:mod:`benchmarks.gpu.runbook.rows`), so a part cut at its limit keeps the comparisons it finished.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from megarl.bench.gpu_parts import SHAPES, _sync
-from megarl.bench.gpu_rows import Rows
+from benchmarks.gpu.runbook.parts import SHAPES, _sync
+from benchmarks.gpu.runbook.rows import Rows
 
 
 def divergence(ref: list[list[int]], other: list[list[int]]) -> dict:
@@ -65,7 +65,7 @@ class IdentitySettings:
 
 
 def identity_settings(shapes: dict, dry_run: bool) -> IdentitySettings:
-    """The runbook's ``identity`` shapes (:class:`~megarl.bench.gpu_profiles.IdentityShapes`); on a
+    """The runbook's ``identity`` shapes (:class:`~benchmarks.gpu.runbook.profiles.IdentityShapes`); on a
     CPU dry run the tiny model in fp32."""
     s = IdentitySettings(**{**shapes, "kv_caches": tuple(shapes.get("kv_caches", ("slots", "paged")))})
     return dataclasses.replace(s, shape="tiny", device="cpu", dtype="float32") if dry_run else s
@@ -233,7 +233,7 @@ def identity_part(s: IdentitySettings, rows: Rows) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megarl.bench.gpu_identity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.runbook.identity", description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=["identity"])
     p.add_argument("--rows", required=True, help="the part's JSONL file (rows as they finish, then the result)")
     p.add_argument("--shapes", default="{}", help="the runbook's identity shapes, as JSON")

@@ -1,23 +1,23 @@
-"""``megarl bench gpu`` (also ``python -m megarl.bench.gpu``): the GPU runbook.
+"""``python -m benchmarks.gpu.runbook`` (from the repository root): the GPU runbook.
 
 One command, prepared and dry-run on CPU beforehand, that spends a short time on a machine with
 one NVIDIA GPU on the measurements and checks the CPU cannot do. Each part runs in its own
 process group with its own time limit, so a crash, a hang or a CUDA error ends only that part
 (its error is recorded) and the others still run. Each part appends its figures to
-``PART.jsonl`` under ``--out`` as it measures them (:mod:`megarl.bench.gpu_rows`: a row per engine
-batch, per KV cache step, per GRPO step, per test file), and the runner rewrites ``summary.json``
+``PART.jsonl`` under ``--out`` as it measures them (:mod:`benchmarks.gpu.runbook.rows`: a row per
+engine batch, per KV cache step, per GRPO step, per test file), and the runner rewrites ``summary.json``
 (each part's status, time, rows, peak GPU memory, error and log tail) and ``report.md``
-(:mod:`megarl.bench.gpu_report`) whenever a part's rows grow. A command killed at any moment
+(:mod:`benchmarks.gpu.runbook.report`) whenever a part's rows grow. A command killed at any moment
 therefore leaves every row finished so far, and a report that names the part that was cut and
 its last row. Six parts, the summary and the report: 8 files.
 
-Parts (run order of both profiles, :mod:`megarl.bench.gpu_profiles`; ``--parts`` picks some):
-- ``env``: device, versions, a one-rank all-reduce, the copy and bf16 matmul ceilings (gpu_parts);
-- ``pytest``: the ``gpu``-marked tests (:mod:`megarl.bench.gpu_runs`);
-- ``engine``: ``bench engine``'s measurements at Qwen2.5-1.5B shapes, bf16 (gpu_runs);
+Parts (run order of both profiles, :mod:`benchmarks.gpu.runbook.profiles`; ``--parts`` picks some):
+- ``env``: device, versions, a one-rank all-reduce, the copy and bf16 matmul ceilings (``parts``);
+- ``pytest``: the ``gpu``-marked tests (:mod:`benchmarks.gpu.runbook.runs`);
+- ``engine``: ``bench engine``'s measurements at Qwen2.5-1.5B shapes, bf16 (``runs``);
 - ``grpo``, ``grpo_spec``: one GRPO run on one GPU at SmolLM2 shapes, without and with
-  speculation + bubble drafts (gpu_runs);
-- ``identity``: bf16 token identity with speculation on vs off per draft source (gpu_identity).
+  speculation + bubble drafts (``runs``);
+- ``identity``: bf16 token identity with speculation on vs off per draft source (``identity``).
 ``fail``, ``hang`` and ``rows`` are the runbook's self-test (never run unless named).
 
 ``--profile quick`` fits one command of 420 s; ``--rerun-failed DIR`` runs again only what did
@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.bench.gpu_profiles import BUDGETS_S, DEADLINE_S, DRY_BUDGET_S, ORDER, build_shapes, shapes_json
-from megarl.bench.gpu_rows import read_rows, rows_peak_gib
+from benchmarks.gpu.runbook.profiles import BUDGETS_S, DEADLINE_S, DRY_BUDGET_S, ORDER, build_shapes, shapes_json
+from benchmarks.gpu.runbook.rows import read_rows, rows_peak_gib
 from megarl.utils.fs import atomic_write_text
 
 
@@ -57,19 +57,20 @@ class Part:
 
 
 PARTS = {
-    "env": Part("megarl.bench.gpu_parts", "env", "device, versions, 1-rank all-reduce, copy and bf16 matmul ceilings"),
-    "pytest": Part("megarl.bench.gpu_runs", "pytest", "the gpu-marked tests"),
-    "engine": Part("megarl.bench.gpu_runs", "engine",
+    "env": Part("benchmarks.gpu.runbook.parts", "env",
+                "device, versions, 1-rank all-reduce, copy and bf16 matmul ceilings"),
+    "pytest": Part("benchmarks.gpu.runbook.runs", "pytest", "the gpu-marked tests"),
+    "engine": Part("benchmarks.gpu.runbook.runs", "engine",
                    "decode tok/s vs transformers generate, fraction of the bandwidth bound, verify cost"),
-    "grpo": Part("megarl.bench.gpu_runs", "grpo", "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
-    "grpo_spec": Part("megarl.bench.gpu_runs", "grpo_spec",
+    "grpo": Part("benchmarks.gpu.runbook.runs", "grpo", "GRPO on one GPU: step phases, rollout tok/s, sync GB/s"),
+    "grpo_spec": Part("benchmarks.gpu.runbook.runs", "grpo_spec",
                       "the same run with speculation + bubble drafts: rollout speedup, exactness"),
-    "identity": Part("megarl.bench.gpu_identity", "identity",
+    "identity": Part("benchmarks.gpu.runbook.identity", "identity",
                      "token identity, speculation on vs off, per draft source"),
     # self-test parts (tests/test_bench_gpu.py): a failing part, a hanging one, one writing rows forever
-    "fail": Part("megarl.bench.gpu_parts", "fail", "self-test: raises"),
-    "hang": Part("megarl.bench.gpu_parts", "hang", "self-test: sleeps past its limit"),
-    "rows": Part("megarl.bench.gpu_parts", "rows", "self-test: a row every 0.2 s until killed"),
+    "fail": Part("benchmarks.gpu.runbook.parts", "fail", "self-test: raises"),
+    "hang": Part("benchmarks.gpu.runbook.parts", "hang", "self-test: sleeps past its limit"),
+    "rows": Part("benchmarks.gpu.runbook.parts", "rows", "self-test: a row every 0.2 s until killed"),
 }
 DEFAULT_PARTS = ORDER
 SELF_TEST_BUDGET_S = 60.0
@@ -118,7 +119,8 @@ def part_env(dry_run: bool) -> dict:
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if dry_run:  # tiny shapes gain nothing from threads, and on shared cores OpenMP's spinning threads
         env["OMP_NUM_THREADS"] = "1"  # made the identity part 20x slower (measured: 177 s vs 7.5 s)
-    root = str(Path(__file__).resolve().parents[2])  # this checkout's megarl, also in the part's children
+    # the repository root: this checkout's megarl and benchmarks, also in the part's children
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return env
 
@@ -187,7 +189,7 @@ def run_part(name: str, out_dir: Path, work_dir: Path, dry_run: bool, timeout_s:
 
 
 def _write(out_dir: Path, summary: dict) -> None:
-    from megarl.bench.gpu_report import render
+    from benchmarks.gpu.runbook.report import render
 
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     try:
@@ -254,11 +256,12 @@ def run_runbook(out_dir: str | Path, parts: list[str], dry_run: bool = False, ti
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="megarl-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     budgets = {n: (timeouts or {}).get(n, budget_s(n, profile, dry_run)) for n in parts}
-    summary = {"runbook": "megarl bench gpu", "profile": profile, "dry_run": dry_run, "parts_requested": parts,
-               "sets": list(sets), "budgets_s": budgets, "deadline_s": deadline_s, "work_dir": str(work),
+    summary = {"runbook": "python -m benchmarks.gpu.runbook", "profile": profile, "dry_run": dry_run,
+               "parts_requested": parts, "sets": list(sets), "budgets_s": budgets, "deadline_s": deadline_s,
+               "work_dir": str(work),
                "torchdynamo_disable": part_env(dry_run).get("TORCHDYNAMO_DISABLE"),
                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": {}}
-    echo(f"megarl bench gpu --profile {profile}{' --dry-run' if dry_run else ''}: {len(parts)} parts, budgets (s): "
+    echo(f"GPU runbook --profile {profile}{' --dry-run' if dry_run else ''}: {len(parts)} parts, budgets (s): "
          + ", ".join(f"{n} {b:.0f}" for n, b in budgets.items())
          + f"; sum {sum(budgets.values()):.0f} s, deadline {deadline_s:.0f} s; out {out_dir}, work {work}")
     t0 = time.perf_counter()
@@ -291,11 +294,11 @@ def merge(out_dir: str | Path, sources: list[str | Path]) -> dict:
     finish ok where an earlier one did; each command's env kept in ``commands``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged: dict = {"runbook": "megarl bench gpu, merged", "parts": {}, "commands": []}
+    merged: dict = {"runbook": "python -m benchmarks.gpu.runbook, merged", "parts": {}, "commands": []}
     for src in map(Path, sources):
         path = src / "summary.json"
         if not path.is_file():
-            raise FileNotFoundError(f"--merge {src}: no summary.json there (a folder written by megarl bench gpu)")
+            raise FileNotFoundError(f"--merge {src}: no summary.json there (a folder written by the GPU runbook)")
         summary = json.loads(path.read_text())
         _, env = read_rows(src / "env.jsonl")
         merged["commands"].append({"dir": str(src), "parts": list(summary.get("parts", {})),
@@ -315,7 +318,7 @@ def merge(out_dir: str | Path, sources: list[str | Path]) -> dict:
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="python -m megarl.bench.gpu", description=__doc__.split("\n\n")[0])
+    p = p or argparse.ArgumentParser(prog="python -m benchmarks.gpu.runbook", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for PART.jsonl, summary.json and report.md")
     p.add_argument("--profile", default="full", choices=list(BUDGETS_S),
                    help="quick: every part at smaller shapes, one command of <= 420 s; full: the targets' shapes")
@@ -355,7 +358,7 @@ def main_args(a: argparse.Namespace) -> int:
         print(f"megarl: error: {e}", file=sys.stderr)
         return 2
     if not parts:
-        print(f"megarl bench gpu: every part in {a.rerun_failed}/summary.json finished ok; nothing to rerun")
+        print(f"GPU runbook: every part in {a.rerun_failed}/summary.json finished ok; nothing to rerun")
         return 0
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the running part too (run_part)
     try:

@@ -1,5 +1,5 @@
-"""Parts of the GPU runbook that drive existing entry points (``megarl/bench/gpu.py`` starts each
-in its own process); each appends its rows to its JSONL file as it goes (:mod:`megarl.bench.gpu_rows`):
+"""Parts of the GPU runbook that drive existing entry points (``runner.py`` starts each
+in its own process); each appends its rows to its JSONL file as it goes (:mod:`benchmarks.gpu.runbook.rows`):
 
 - ``pytest``: the ``gpu``-marked tests (every test file under tests/ that marks one), one pytest
   process per file, a row per file with each test's outcome from pytest's JUnit XML. Exits 1
@@ -13,11 +13,11 @@ in its own process); each appends its rows to its JSONL file as it goes (:mod:`m
   without and then with speculation and bubble drafts; a row per RL step as the run writes it
   (its metrics and phases), then rollout tok/s and weight sync GB/s; ``grpo_spec`` also compares
   its rollouts with ``grpo``'s (same work folder): rollout speedup and exactness (identical tokens
-  and weight checksums per step). ``megarl train`` runs under :mod:`megarl.bench.gpu_child` (peak
+  and weight checksums per step). ``megarl train`` runs under :mod:`benchmarks.gpu.runbook.child` (peak
   GPU memory; ops without a deterministic kernel warn and are recorded instead of failing).
 
-Shapes: the runbook's sections of :mod:`megarl.bench.gpu_profiles` (``--shapes`` JSON).
-Usage: ``python -m megarl.bench.gpu_runs {pytest,engine,grpo,grpo_spec} --rows PATH --work-dir DIR
+Shapes: the runbook's sections of :mod:`benchmarks.gpu.runbook.profiles` (``--shapes`` JSON).
+Usage: ``python -m benchmarks.gpu.runbook.runs {pytest,engine,grpo,grpo_spec} --rows PATH --work-dir DIR
 [--shapes JSON] [--dry-run]``.
 """
 from __future__ import annotations
@@ -34,11 +34,11 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from megarl.bench.gpu_profiles import EngineShapes, GrpoShapes, PytestShapes
-from megarl.bench.gpu_rows import Rows
+from benchmarks.gpu.runbook.profiles import EngineShapes, GrpoShapes, PytestShapes
+from benchmarks.gpu.runbook.rows import Rows
 from megarl.utils.dataclass_config import from_dict
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _child_env() -> dict:
@@ -89,9 +89,10 @@ def pytest_part(work: Path, rows: Rows, shapes: PytestShapes, dry_run: bool) -> 
         xml.unlink(missing_ok=True)
         info.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        # under gpu_child --strict: the file's peak GPU memory, tests otherwise untouched
-        proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_child", "--strict", str(info), "pytest", *base,
-                               f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True, text=True)
+        # under child.py --strict: the file's peak GPU memory, tests otherwise untouched
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.runbook.child", "--strict", str(info), "pytest",
+                               *base, f"--junitxml={xml}", f], cwd=ROOT, env=_child_env(), capture_output=True,
+                              text=True)
         dt = time.perf_counter() - t0
         out["seconds"] += dt
         peak = json.loads(info.read_text()).get("peak_gib") if info.is_file() else None
@@ -145,7 +146,7 @@ def engine_part(rows: Rows, shapes: EngineShapes, dry_run: bool) -> dict:
     import torch
 
     from megarl.bench.engine import MODEL_SIZES, BenchShape, _bench_engine, _bench_hf, _bound, _verify_cost
-    from megarl.bench.gpu_parts import SHAPES, datasheet_gbps
+    from benchmarks.gpu.runbook.parts import SHAPES, datasheet_gbps
 
     if dry_run:
         # bench engine's own "tiny" (vocab 8192, width 384) takes a minute on a shared CPU; the dry
@@ -268,7 +269,7 @@ def run_grpo(name: str, work: Path, spec: bool, dry_run: bool, shapes: GrpoShape
     overrides = grpo_overrides(spec, dry_run, shapes)
     info = work / f"{name}.child.json"
     info.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "megarl.bench.gpu_child", str(info), "megarl.cli", "train", "--config",
+    cmd = [sys.executable, "-m", "benchmarks.gpu.runbook.child", str(info), "megarl.cli", "train", "--config",
            str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run_dir),
            *[x for o in overrides for x in ("--set", o)]]
     t0 = time.perf_counter()
@@ -303,7 +304,7 @@ def _rollouts(run_dir: Path) -> dict[int, dict[tuple[int, int], list[int]]]:
 
 def compare_runs(plain: Path, spec: Path, plain_steps: list[dict], spec_steps: list[dict]) -> dict:
     """Exactness and rollout speedup of the spec run against the plain one, per step."""
-    from megarl.bench.gpu_identity import divergence
+    from benchmarks.gpu.runbook.identity import divergence
 
     a, b = _rollouts(plain), _rollouts(spec)
     per_step, first_diff = [], None
@@ -341,7 +342,7 @@ def grpo_part(spec: bool, work: Path, dry_run: bool, shapes: GrpoShapes, rows: R
 
 # ------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megarl.bench.gpu_runs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.runbook.runs", description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=["pytest", "engine", "grpo", "grpo_spec"])
     p.add_argument("--rows", required=True, help="the part's JSONL file (rows as they finish, then the result)")
     p.add_argument("--shapes", default="{}", help="the part's section of the runbook's shapes, as JSON")

@@ -1,4 +1,5 @@
-"""Replaying a measured megarl run through the simulator (issue 8 item 4, validation).
+"""Replaying a measured megarl run through the simulator, to validate it against measured runs
+(benchmarks/validate_sim.py, benchmarks/calibrate_sim.py; a developer tool, not in the installed package).
 
 Given a run directory written by ``megarl train`` (as ``megarl bench schedule`` leaves them:
 ``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``), every step is simulated on the run's

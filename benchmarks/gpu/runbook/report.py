@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megarl.bench.gpu_rows import read_rows
+from benchmarks.gpu.runbook.rows import read_rows
 
 # The targets of the GPU work (docs/gpu/README.md, "Reading the report").
 TARGETS = {

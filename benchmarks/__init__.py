@@ -1,0 +1,1 @@
+"""Developer benchmarks, probes and calibration scripts, run from the repository root."""

@@ -1,0 +1,1 @@
+"""What runs on the GPU machine: the runbook (``runbook/``) and its shell wrapper."""
