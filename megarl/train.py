@@ -51,9 +51,9 @@ from megarl.utils.run_lock import RunLock, lock_run_dir
 log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
-TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
-             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s",
-             "drafter_train_steps", "drafter_loss")
+TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "vllm_load_s",
+             "bubble_time_s", "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups",
+             "reward_timeout_s", "drafter_train_steps", "drafter_loss")
 
 
 class RunDirError(ValueError):

@@ -34,7 +34,8 @@ def _requests(prompts, params, uids=None):
 def test_greedy_tokens_and_logprobs_equal_megarl_engine(smol):
     vllm_engine, model, tok, prompts = smol
     params = SamplingParams(temperature=0.0, max_new_tokens=32, stop_token_ids=tok.stop_ids)
-    ours = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=256), seed=0).generate(_requests(prompts, params), 0)
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=256), seed=0)
+    ours = engine.generate(_requests(prompts, params), 0)
     theirs = vllm_engine.generate(_requests(prompts, params), step=0)
     for a, b in zip(ours, theirs):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
