@@ -24,6 +24,7 @@ for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``t
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -113,19 +114,24 @@ class VLLMEngine:
             from vllm import LLM
 
             with torch.random.fork_rng():
-                return LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
-                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
-                           enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                           disable_log_stats=True)
+                llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
+                          max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
+                          enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
+                          disable_log_stats=True)
+            # vLLM's engine core would shut down when garbage collected, destroying the default process
+            # group (the run's, or one it made itself that the run joined): only close() does that.
+            llm.llm_engine.engine_core._finalizer.detach()
+            gc.unfreeze()  # vLLM froze the heap at start-up; this process's cyclic garbage is collected again
+            return llm
         finally:
             random.setstate(states[0])
             np.random.set_state(states[1])
             shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
-        """Shut vLLM's engine core down (it also destroys the process groups it joined: call it
-        after the run's last collective)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shut vLLM's engine core down (it also destroys the process groups it joined, the default one
+        included: call it after the run's last collective)."""
+        self.llm.llm_engine.engine_core.engine_core.shutdown()
 
     def reset_stats(self) -> None:
         """``forwards``: vLLM engine steps; ``tokens``: tokens produced (as :class:`Engine`)."""
