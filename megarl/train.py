@@ -21,6 +21,7 @@ from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, remov
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
+from megarl.engine.vllm_backend import VLLMEngine
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.launch_env import export_launch_env
@@ -53,9 +54,9 @@ from megarl.utils.run_lock import RunLock, lock_run_dir
 log = logging.getLogger("megarl")
 # Metrics that measure time: everything else in metrics.jsonl is a deterministic function of the
 # config (a resumed run reproduces it exactly).
-TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
-             "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s",
-             "drafter_train_steps", "drafter_loss")
+TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "vllm_load_s",
+             "bubble_time_s", "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups",
+             "reward_timeout_s", "drafter_train_steps", "drafter_loss")
 
 
 # Config fields a resumed run may change without changing its result (how long it runs, how often
@@ -276,6 +277,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if preempt is not None and preempt.stopped_at is not None:
         return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
     _export(run_dir, inputs, dims, run, engine, layout)
+    if isinstance(engine, VLLMEngine):  # before megarl's process groups go: vLLM tears down its own
+        engine.close()
     return history
 
 
@@ -315,6 +318,8 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
                              receiver=receiver)
+    if isinstance(engine, VLLMEngine):  # the sync fills its staging copy; then vLLM loads it
+        weight_sync = engine.after_sync(weight_sync)
     weight_sync()
     policy = BubblePolicy(cfg.schedule, cfg.spec, cfg.stream_train, cfg.rollout.device == "cpu", layout.rollout_dp)
     rollout, long_sync = NoRollout(rollout_groups.group_index), None
@@ -397,8 +402,12 @@ def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: Engine | N
         save_drafter(spec.drafter.model, run_dir / "hf" / "drafter")
 
 
-def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine:
-    """This process's rollout engine; with rollout TP its rollout group runs the model tensor-parallel."""
+def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine | VLLMEngine:
+    """This process's rollout engine (``rollout.backend``); with rollout TP its rollout group runs
+    the model tensor-parallel (megarl's engine only: the set-up refuses it with vLLM)."""
+    if cfg.rollout.backend == "vllm":
+        return VLLMEngine(inputs.args, cfg.rollout.engine_config(inputs.max_seq_len), cfg.seed,
+                          cfg.rollout.temperature)
     policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
     return Engine(policy, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed,
                   spec=Speculator(cfg.spec) if cfg.spec.enabled else None)

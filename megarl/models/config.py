@@ -231,6 +231,8 @@ def _moe_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
                              f"sparse (mlp_only_layers=[])")
         if cfg.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
+        if "num_local_experts" in cfg:  # transformers 5.x saves Qwen3-MoE's expert count under this name
+            cfg.setdefault("num_experts", cfg.pop("num_local_experts"))
         # HF's Qwen3MoeConfig defaults, for configs that leave them out.
         cfg.setdefault("num_experts", 128)
         cfg.setdefault("num_experts_per_tok", 8)

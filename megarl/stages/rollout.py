@@ -59,6 +59,13 @@ class RolloutConfig:
     response lengths when last seen; megarl/sched/placement.py). Never changes a sample; it can only
     help once prompts come back (the second epoch over the prompt set)."""
 
+    backend: Literal["megarl", "vllm"] = "megarl"
+    """What generates the rollouts: ``megarl`` (megarl's own engine: the exactness reference,
+    docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
+    optional extra ``make vllm``). The vLLM backend runs in one process, on cpu, in float32 or
+    bfloat16, without speculation or tail batching for now (refused at start), and its samples at
+    T > 0 come from vLLM's seeded sampler, not megarl's counter-based noise."""
+
     dump: bool = False
     """Write every step's samples (prompt uid, sample index, response token ids, reward) to
     ``RUN_DIR/rollouts.jsonl``, one line per step: for inspecting what the policy generates, and

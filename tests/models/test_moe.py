@@ -5,6 +5,7 @@ transformers computes RMSNorm, the attention softmax, the router softmax and RoP
 even in a float64 model, so HF is a float32 reference here (megarl keeps float64 float64); the
 float64 exactness checks are megarl vs Megatron (tests/stream_train/test_moe_ep.py)."""
 import dataclasses
+import tempfile
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import transformers
 from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.models.config import ModelArgs
-from megarl.models.hf_io import load_hf_model, save_hf_model
+from megarl.models.hf_io import load_hf_model, load_hf_state_dict, save_hf_model
 from megarl.models.llama import CausalLM, SparseMoE
 
 COMMON = dict(attn_implementation="eager", vocab_size=53, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
@@ -33,7 +34,9 @@ def hf_model(model_type: str, norm: bool | None, tie: bool = False, seed: int = 
     else:
         cfg = transformers.Qwen3Config(**kw)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    # transformers 5.x runs experts as one grouped matmul by default, which has no float64 kernel
+    # (the fp64 comparisons below): its per-expert loop instead.
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # HF inits norms to ones
@@ -43,10 +46,18 @@ def hf_model(model_type: str, norm: bool | None, tie: bool = False, seed: int = 
     return model
 
 
+def checkpoint_state(hf) -> dict[str, torch.Tensor]:
+    """``hf``'s weights as its saved folder holds them: transformers 5.x fuses the experts in memory
+    (``mlp.experts.gate_up_proj``) but saves the per-expert tensors HF checkpoints carry."""
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        return load_hf_state_dict(d)
+
+
 def ours_from(hf) -> CausalLM:
     args = ModelArgs.from_hf_config(hf.config.to_dict())
     ours = CausalLM(args).eval()
-    sd = hf.state_dict()
+    sd = checkpoint_state(hf)
     if args.tie_word_embeddings:
         sd.pop("lm_head.weight")
     ours.load_state_dict(sd, strict=True)

@@ -1,0 +1,248 @@
+"""vLLM as the rollout backend (``rollout.backend: vllm``): the ``generate`` interface of
+:class:`megarl.engine.Engine` over an in-process ``vllm.LLM``.
+
+What the rollout stage and the weight sync use of an engine, and nothing more (so another
+production engine, e.g. SGLang, can stand behind the same few calls): ``generate(requests, step,
+on_finish)``, ``reset_stats``/``stats``, ``spec`` (None: no speculation here yet), ``device``, and
+for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``tp_size``.
+
+- Token ids in and out: prompts go in as ``TokensPrompt`` ids (vLLM starts without a tokenizer),
+  responses come back as vLLM's sampled ids, the stop token included (docs/design.md §1.3).
+- Every stop token is the request's ``stop_token_ids`` (``ignore_eos``: vLLM adds none of its own).
+- Logprobs of the sampled tokens follow docs/design.md §1.3, ``log softmax(logits / T)`` with T = 0
+  read as 1 and top-k/top-p not applied: vLLM's ``raw_logprobs`` are that for T in {0, 1};
+  otherwise its ``processed_logprobs`` (after temperature, and after top-k/top-p, so the run's
+  check refuses T not in {0, 1} together with top-k/top-p).
+- Seeds: each sample's vLLM seed is a hash of (run seed, step, prompt uid, sample index), so a
+  sample is a function of those as far as vLLM's seeded sampling is (measured in the tests; it
+  is not the counter-based noise of docs/design.md §1.1, so samples differ from megarl's engine's
+  at T > 0; greedy tokens agree).
+- Weights: the sync writes the trainer's weights into a staging copy under HF names (``model``,
+  checked by the sync as any engine's are), then :meth:`push_weights` reloads them into vLLM's
+  model in process (its worker's ``reload_weights``), checks what it can read back, and drops
+  vLLM's prefix cache (it holds the old weights' keys and values).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from megarl.engine.requests import EngineConfig, Request, Result
+from megarl.models.config import ModelArgs
+from megarl.models.llama import CausalLM
+
+class VLLMLoadError(RuntimeError):
+    """vLLM's model does not hold the weights just synced into the staging copy."""
+
+
+INSTALL_HINT = "install it with `make vllm` (pip install -e .[vllm]), or use rollout.backend=megarl"
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be imported here (None: it can)."""
+    _vllm_env()
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or the RuntimeError of a CUDA torchvision
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
+
+
+def _vllm_env() -> None:
+    """vLLM's settings this backend needs, set before vLLM is imported. The engine core runs in
+    this process (the weights are loaded into its model in place); OpenMP threads are not pinned by
+    default: on a shared machine pinned threads wait on busy cores (set
+    VLLM_CPU_OMP_THREADS_BIND=auto on a dedicated one)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def sample_seed(run_seed: int, step: int, uid: int, sample_idx: int) -> int:
+    """vLLM's per-request seed: 63 bits of a hash of (run seed, step, prompt uid, sample index)."""
+    key = struct.pack("<4q", run_seed, step, uid, sample_idx)
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def logprobs_mode(temperature: float) -> str:
+    """vLLM's logprob convention that equals docs/design.md §1.3's at ``temperature``."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
+
+
+class VLLMEngine:
+    """A rollout engine backed by ``vllm.LLM`` (one process, rollout TP 1, no speculation).
+    ``temperature`` picks vLLM's logprob convention (:func:`logprobs_mode`): every request must
+    then sample at it, or at 0."""
+
+    def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float):
+        missing = vllm_missing()
+        if missing is not None:
+            raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported ({missing}); {INSTALL_HINT}")
+        if cfg.dtype not in ("float32", "bfloat16") or cfg.device != "cpu":
+            raise ValueError(f"the vLLM backend runs float32 or bfloat16 on cpu; got dtype={cfg.dtype}, "
+                             f"device={cfg.device}")
+        self.cfg, self.seed, self.args, self.temperature = cfg, seed, args, temperature
+        self.spec, self.device, self.tp_rank, self.tp_size = None, torch.device("cpu"), 0, 1
+        # The weight sync's target: HF-named tensors in vLLM's dtype, pushed into vLLM after each sync.
+        self.model = CausalLM(args).to(cfg.torch_dtype).eval().requires_grad_(False)
+        self.llm = self._start()
+        self.reset_stats()
+
+    def _start(self):
+        """The ``vllm.LLM``: built from the model's HF config with placeholder weights (the first
+        sync replaces them before any rollout), its KV cache sized for max_batch_size requests of
+        max_seq_len positions. The caller's RNG states are kept (vLLM reseeds the process)."""
+        _vllm_env()
+        a, c = self.args, self.cfg
+        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * c.max_seq_len * c.max_batch_size
+                    * torch.empty((), dtype=c.torch_dtype).element_size())
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2 ** 30)))
+        folder = tempfile.mkdtemp(prefix="megarl-vllm-")
+        states = random.getstate(), np.random.get_state()
+        try:
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(a.to_hf_config(c.dtype), f)
+            from vllm import LLM
+
+            with torch.random.fork_rng():
+                llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
+                          max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
+                          enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
+                          disable_log_stats=True)
+            # vLLM's engine core would shut down when garbage collected, destroying the default process
+            # group (the run's, or one it made itself that the run joined): only close() does that.
+            llm.llm_engine.engine_core._finalizer.detach()
+            gc.unfreeze()  # vLLM froze the heap at start-up; this process's cyclic garbage is collected again
+            return llm
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down (it also destroys the process groups it joined, the default one
+        included: call it after the run's last collective)."""
+        self.llm.llm_engine.engine_core.engine_core.shutdown()
+
+    def reset_stats(self) -> None:
+        """``forwards``: vLLM engine steps; ``tokens``: tokens produced (as :class:`Engine`)."""
+        self.stats = {"forwards": 0, "tokens": 0, "target_forwards": 0}
+
+    def after_sync(self, sync):
+        """``sync`` (a ``WeightSync``) followed by :meth:`push_weights`, as one callable with the
+        sync's metrics plus ``vllm_load_s``."""
+        def run() -> dict:
+            metrics = sync()
+            t0 = time.perf_counter()
+            self.push_weights()
+            return {**metrics, "vllm_load_s": time.perf_counter() - t0}
+        return run
+
+    @torch.no_grad()
+    def push_weights(self) -> None:
+        """Load the staged weights into vLLM's model (its worker's in-place ``reload_weights``), then
+        check them. vLLM-CPU runs each linear (the LM head too) through a copy of its weight packed
+        for oneDNN at load time; a tied LM head is not reloaded (it shares the embedding), so the
+        layers that keep their weight are packed again here. Checks: every parameter vLLM keeps
+        readable (embeddings, norms) holds its staged tensor bit for bit, and every packed linear
+        computes ``x @ W.T`` of its staged ``W`` on a random ``x`` (to matmul rounding)."""
+        staged = dict(self.model.state_dict())
+        if self.args.tie_word_embeddings:
+            staged.pop("lm_head.weight", None)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged.items()),
+                                                          "is_checkpoint_format": True})
+        rtol = 1e-4 if self.cfg.dtype == "float32" else 3e-2
+        bad = self.llm.apply_model(lambda model: _repack_and_check(model, staged, self.args, rtol))[0]
+        self.llm.reset_prefix_cache()  # its blocks hold the old weights' keys and values
+        if bad:
+            raise VLLMLoadError(f"vLLM's model does not hold the synced weights after loading: {bad[:8]}")
+
+    def generate(self, requests: list[Request], step: int, progress: bool = False, purpose: str = "rollout",
+                 on_finish=None, should_stop=None) -> list[Result]:
+        """Responses for ``requests`` (same order); ``on_finish(i, result)`` as each finishes."""
+        if should_stop is not None or purpose != "rollout":
+            raise ValueError("the vLLM backend does not stop generation early or pre-generate drafts yet")
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        eng = self.llm.llm_engine
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.temperature not in (0.0, self.temperature):
+                raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
+                                 f"for temperature {self.temperature} (or 0)")
+            sp = VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                     stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                     seed=sample_seed(self.seed, step, r.uid, r.sample_idx))
+            eng.add_request(str(i), TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sp)
+        results: list[Result | None] = [None] * len(requests)
+        while eng.has_unfinished_requests():
+            self.stats["forwards"] += 1
+            for out in eng.step():
+                if out.finished:
+                    i = int(out.request_id)
+                    results[i] = res = _result(requests[i], out.outputs[0])
+                    self.stats["tokens"] += len(res.tokens)
+                    self.stats["target_forwards"] += res.n_forwards
+                    if on_finish is not None:
+                        on_finish(i, res)
+        return results
+
+
+def _result(req: Request, out) -> Result:
+    """A megarl ``Result`` from vLLM's ``CompletionOutput`` (one forward per token: no drafts)."""
+    tokens = list(out.token_ids)
+    logprobs = [float(lp[t].logprob) for lp, t in zip(out.logprobs, tokens)]
+    reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "aborted")
+    return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=tokens,
+                  logprobs=logprobs, entropies=[], finish_reason=reason, n_forwards=len(tokens))
+
+
+def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:
+    """In vLLM's worker, after a reload: pack again the layers whose packed copy the reload does not
+    redo (those that keep their weight), and the names of the parameters and packed layers that do
+    not hold the staged weights (see :meth:`VLLMEngine.push_weights`)."""
+    bad = [name for name, p in model.named_parameters()
+           if p.numel() and not _holds(p.data, _expected(name, staged, args))]
+    gen = torch.Generator().manual_seed(0)
+    for name, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.numel():
+            module.quant_method.process_weights_after_loading(module)
+        want = _expected(f"{name}.weight", staged, args)
+        x = torch.randn(3, want.shape[1], generator=gen).to(want.dtype)
+        ref = (x.float() @ want.float().t())
+        got = module.cpu_linear(x, module.weight, None)[:, :want.shape[0]].float()
+        if not (got - ref).abs().max() <= rtol * ref.abs().max():
+            bad.append(f"{name} (packed)")
+    return bad
+
+
+def _holds(param: torch.Tensor, want: torch.Tensor) -> bool:
+    """``param`` holds ``want`` bit for bit; vLLM pads the vocabulary rows of its embedding and LM
+    head (to a multiple of 64), and those extra rows are never read for a real token."""
+    if param.shape[1:] == want.shape[1:] and param.shape[0] > want.shape[0]:
+        param = param[:want.shape[0]]
+    return param.shape == want.shape and param.dtype == want.dtype and torch.equal(param, want)
+
+
+def _expected(name: str, staged: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """What vLLM's Llama-family parameter ``name`` must hold: the staged HF tensor, or the
+    concatenation vLLM fuses (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``)."""
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{fused}." in name:
+            return torch.cat([staged[name.replace(fused, part)] for part in parts])
+    if name == "lm_head.weight" and args.tie_word_embeddings:
+        return staged["model.embed_tokens.weight"]
+    return staged[name]
