@@ -118,3 +118,13 @@ def test_the_step_is_one_screen():
     from megarl.stages.step import run_step
 
     assert len(inspect.getsource(run_step).splitlines()) <= 60
+
+
+def test_no_tracker_numbers_in_the_package():
+    """The code cites docs/design.md sections for its reasons, never a tracker's numbers, which
+    mean nothing to a reader of the repository."""
+    import re
+    pattern = re.compile(r"\bissues? \d+", re.IGNORECASE)
+    found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in sorted(ROOT.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, f"tracker numbers in megarl/: {found}"

@@ -1,7 +1,7 @@
 """Checksums of what megarl writes (converted pieces, RL checkpoints), verified when read back.
 
 Why: a flipped byte in a weight file loads without complaint and silently changes the model
-(issue 24: a corrupted converted piece converted back with exit 0 and 16 wrong elements). A
+(without them, a corrupted converted piece converted back with exit 0 and 16 wrong elements). A
 checksum recorded at write time and compared at read time turns that into one error naming the
 file (and, for RL checkpoints, the checkpoint to resume from instead).
 

@@ -6,7 +6,7 @@ files that single processes add (``rank_files``: the learned drafter's state per
 ``drafter_replica<r>.pt``, megarl/spec/drafter_state.py). A checkpoint directory
 appears only when complete (temp dir + rename), so ``latest_checkpoint`` never sees half of one.
 
-Checksums (issue 24): a file deleted, truncated or changed after it was written used to load as
+Checksums (docs/design.md §5): a file deleted, truncated or changed after it was written used to load as
 whatever was there. ``state.json`` now records every other file's SHA-256 and size
 (``"checksums": {"algorithm", "files": {name: {"sha256", "bytes"}}}``) and a checksum of its own
 content (``"state_sha256"``). Each writer hashes the files it wrote (read back from the page

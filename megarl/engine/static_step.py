@@ -1,4 +1,4 @@
-"""The engine's decode/verify step over fixed shapes: what a CUDA graph captures (issue 25 item 3).
+"""The engine's decode/verify step over fixed shapes: what a CUDA graph captures.
 
 ``Engine.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
 draft lengths, keys read), which a CUDA graph cannot replay. Here a step of ``n`` rows with at

@@ -1,4 +1,4 @@
-"""Reward settings of a run and the rewards megarl ships (issue 6 item 6: async rewards).
+"""Reward settings of a run and the rewards megarl ships (scored asynchronously, docs/design.md §3).
 
 Rewards are scored while the rollout runs: each response goes to a :class:`RewardPool`
 (megarl/rl/reward_pool.py) as soon as it finishes, so by the time a replica's last response is

@@ -2,7 +2,7 @@
 
 Data order is a pure function of (seed, step): step t takes prompts [t*P, (t+1)*P) of the
 concatenated per-epoch permutations, so a resumed run and a rank that pre-generates step t+1
-(bubble drafts, issue 3) know the prompts without communication.
+(bubble drafts, docs/design.md §1.2) know the prompts without communication.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Supervised warm-up on the synthetic task's worked solutions, so RL starts from a useful policy.
 
 Solutions are sampled in their random styles, so the warmed-up policy keeps real entropy at
-temperature 1 (issue 2: an almost deterministic policy would make every draft look perfect).
+temperature 1 (an almost deterministic policy would make every draft look perfect).
 """
 from __future__ import annotations
 
