@@ -1,0 +1,83 @@
+"""Evaluation during training through the real CLI (megarl/stages/evaluate.py): it never changes
+the training run, its figures reach metrics.jsonl, TensorBoard and ``megarl report``, a resumed run
+repeats them, and ``megarl eval`` of the final export equals the run's last in-run evaluation."""
+import json
+
+import pytest
+
+from cli_runs import SMOKE, assert_weights_change_every_step, copy_run_until, deterministic_part, megarl, read_metrics
+
+EVAL = ("--set", "eval.prompts=8", "--set", "eval.samples=4")
+STEPS = ("--set", "rl_steps=3")  # evaluations at steps 0, 2 (every 2nd) and 3 (the last)
+
+
+def _eval_part(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith("eval/")}
+
+
+def _train_part(m: dict) -> dict:
+    return {k: v for k, v in deterministic_part(m).items() if not k.startswith("eval/")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    for name, every in (("off", 0), ("on", 2)):
+        megarl("train", "--config", SMOKE, "--run-dir", str(root / name), *STEPS, *EVAL, "--set", f"eval.every={every}")
+    return root
+
+
+def test_training_with_eval_equals_training_without(runs):
+    off, on = read_metrics(runs / "off"), read_metrics(runs / "on")
+    assert [m["step"] for m in off] == [1, 2, 3] and [m["step"] for m in on] == [0, 1, 2, 3]
+    assert_weights_change_every_step(off)  # (a run whose steps change nothing would make this vacuous)
+    assert [_train_part(m) for m in on[1:]] == [deterministic_part(m) for m in off]
+    for f in sorted((runs / "off" / "hf").glob("*.safetensors")):
+        assert (runs / "on" / "hf" / f.name).read_bytes() == f.read_bytes(), f.name  # bitwise
+
+
+def test_eval_metrics_in_metrics_jsonl_and_tensorboard(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = read_metrics(runs / "on")
+    assert set(lines[0]) == {"step"} | set(_eval_part(lines[0]))  # step 0: the policy before RL, eval only
+    evaluated = [m["step"] for m in lines if _eval_part(m)]
+    assert evaluated == [0, 2, 3]
+    keys = {"eval/prompts", "eval/samples", "eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4",
+            "eval/response_len_mean", "eval/response_len_max", "eval/truncated_frac"}
+    for m in lines:
+        if m["step"] in evaluated:
+            e = _eval_part(m)
+            assert set(e) == keys and e["eval/prompts"] == 8 and e["eval/samples"] == 4
+            assert e["eval/pass_at_1"] <= e["eval/pass_at_2"] <= e["eval/pass_at_4"]
+    acc = EventAccumulator(str(runs / "on" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    pts = acc.Scalars("eval/pass_at_1")
+    assert [p.step for p in pts] == evaluated
+    assert [p.value for p in pts] == pytest.approx([m["eval/pass_at_1"] for m in lines if _eval_part(m)])
+    out = runs / "report"
+    megarl("report", str(runs / "on"), "--out", str(out))
+    assert (out / "eval.png").is_file() and (out / "eval_length.png").is_file()
+
+
+def test_megarl_eval_of_the_export_equals_the_last_in_run_eval(runs, tmp_path):
+    proc = megarl("eval", "--model", str(runs / "on" / "hf"), "--config", SMOKE, *EVAL, "--json",
+                  str(tmp_path / "eval.json"))
+    last = _eval_part(read_metrics(runs / "on")[-1])
+    assert json.loads(proc.stdout) == last  # same prompts, noise and weights: the same figures, exactly
+    assert json.loads((tmp_path / "eval.json").read_text()) == last
+    assert last != _eval_part(read_metrics(runs / "on")[0])  # (the figures do tell weights apart)
+
+
+def test_resumed_run_repeats_its_evaluations(runs, tmp_path):
+    dst = copy_run_until(runs / "on", tmp_path / "resumed", 2)
+    megarl("train", "--config", SMOKE, "--run-dir", str(dst), "--resume", *STEPS, *EVAL, "--set", "eval.every=2")
+    assert [deterministic_part(m) for m in read_metrics(dst)] == [deterministic_part(m) for m in
+                                                                  read_metrics(runs / "on")]
+
+
+def test_megarl_eval_without_a_held_out_set_is_one_error(runs):
+    proc = megarl("eval", "--model", str(runs / "on" / "hf"), "--config", SMOKE, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["megarl: error: megarl eval needs a held-out set: set eval.prompts >= 1 "
+                                                "(in --config or with --set eval.prompts=N)"]
