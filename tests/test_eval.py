@@ -81,3 +81,27 @@ def test_megarl_eval_without_a_held_out_set_is_one_error(runs):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["megarl: error: megarl eval needs a held-out set: set eval.prompts >= 1 "
                                                 "(in --config or with --set eval.prompts=N)"]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_two_process_run_evaluates_as_megarl_eval_of_its_export(tmp_path, placement):
+    # Colocated: two rollout replicas each sample half the held-out set and gather the figures;
+    # disaggregated: the generating process hands them to the trainer (rank 0), which logs them.
+    import subprocess
+    import sys
+
+    from cli_runs import ROOT, cli_env
+
+    run = tmp_path / placement
+    layout = ["--set", "parallel.placement=disaggregated", "--set", "parallel.rollout_ranks=1"] \
+        if placement == "disaggregated" else []
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "megarl.cli", "train", "--config", SMOKE, "--run-dir", str(run), "--set", "rl_steps=2",
+                           "--set", "eval.every=2", *EVAL, *layout], cwd=ROOT, env={**cli_env(), "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_metrics(run)
+    assert [m["step"] for m in lines if _eval_part(m)] == [0, 2]
+    proc = megarl("eval", "--model", str(run / "hf"), "--config", SMOKE, *EVAL)
+    assert json.loads(proc.stdout) == _eval_part(lines[-1])
+    assert _eval_part(lines[-1])["eval/reward_mean"] > 0  # (the figures are not all zeros)
