@@ -54,7 +54,8 @@ def _eval(args) -> int:
     if not cfg.eval.prompts:
         raise ValueError("megarl eval needs a held-out set: set eval.prompts >= 1 (in --config or with --set "
                          "eval.prompts=N)")
-    # The model is --model's; one process runs it (the rollout layout does not change a sample).
+    # The model is --model's, on one process: a sample does not depend on the rollout layout (in
+    # float64 exactly; in fp32/bf16 rollout TP's reductions may round differently, docs/design.md §1.1).
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from_hf=args.model, init_from_mcore=None),
                               parallel=ParallelConfig())
     inputs = prepare_inputs(cfg)
@@ -62,7 +63,7 @@ def _eval(args) -> int:
     engine = Engine(load_hf_model(args.model, engine_cfg.torch_dtype), engine_cfg, seed=cfg.seed)
     metrics = Evaluator(cfg.eval, engine, inputs.held_out, inputs.reward_fn, inputs.tokenizer, cfg.rollout,
                         cfg.reward).run()
-    print(eval_line(0, metrics).replace("eval step 0", f"eval {args.model}"), file=sys.stderr)
+    print(eval_line(args.model, metrics), file=sys.stderr)
     text = json.dumps(metrics, indent=2)
     if args.json:
         atomic_write_text(args.json, text + "\n")

@@ -68,7 +68,8 @@ TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "
 RECORD_CONFIG = "run_config"  # the run's config in every checkpoint's state.json (with the data's digest)
 RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
                      "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb",
-                     "eval.every", "eval.samples", "eval.temperature", "eval.max_new_tokens", "eval.pass_threshold")
+                     "eval.every", "eval.samples", "eval.temperature", "eval.max_new_tokens", "eval.pass_threshold",
+                     "eval.greedy")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,

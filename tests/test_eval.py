@@ -7,7 +7,7 @@ import pytest
 
 from cli_runs import SMOKE, assert_weights_change_every_step, copy_run_until, deterministic_part, megarl, read_metrics
 
-EVAL = ("--set", "eval.prompts=8", "--set", "eval.samples=4")
+EVAL = ("--set", "eval.prompts=8", "--set", "eval.samples=4", "--set", "eval.greedy=true")
 STEPS = ("--set", "rl_steps=3")  # evaluations at steps 0, 2 (every 2nd) and 3 (the last)
 
 
@@ -45,11 +45,13 @@ def test_eval_metrics_in_metrics_jsonl_and_tensorboard(runs):
     assert evaluated == [0, 2, 3]
     keys = {"eval/prompts", "eval/samples", "eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4",
             "eval/response_len_mean", "eval/response_len_max", "eval/truncated_frac"}
+    keys |= {k.replace("eval/", "eval/greedy/") for k in keys if "pass_at_2" not in k and "pass_at_4" not in k}
     for m in lines:
         if m["step"] in evaluated:
             e = _eval_part(m)
             assert set(e) == keys and e["eval/prompts"] == 8 and e["eval/samples"] == 4
             assert e["eval/pass_at_1"] <= e["eval/pass_at_2"] <= e["eval/pass_at_4"]
+            assert e["eval/greedy/samples"] == 1 and e["eval/greedy/pass_at_1"] == e["eval/greedy/reward_mean"]
     acc = EventAccumulator(str(runs / "on" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     pts = acc.Scalars("eval/pass_at_1")
@@ -79,8 +81,9 @@ def test_resumed_run_repeats_its_evaluations(runs, tmp_path):
 def test_megarl_eval_without_a_held_out_set_is_one_error(runs):
     proc = megarl("eval", "--model", str(runs / "on" / "hf"), "--config", SMOKE, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == ["megarl: error: megarl eval needs a held-out set: set eval.prompts >= 1 "
-                                                "(in --config or with --set eval.prompts=N)"]
+    assert proc.stderr.strip().splitlines() == [
+        "megarl: error: megarl eval needs a held-out set: set eval.prompts >= 1 (in --config or with --set "
+        "eval.prompts=N)"]
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
@@ -97,8 +100,8 @@ def test_two_process_run_evaluates_as_megarl_eval_of_its_export(tmp_path, placem
         if placement == "disaggregated" else []
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "megarl.cli", "train", "--config", SMOKE, "--run-dir", str(run), "--set", "rl_steps=2",
-                           "--set", "eval.every=2", *EVAL, *layout], cwd=ROOT, env={**cli_env(), "CUDA_VISIBLE_DEVICES": ""},
-                          capture_output=True, text=True, timeout=600)
+                           "--set", "eval.every=2", *EVAL, *layout], cwd=ROOT,
+                          env={**cli_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(run)
     assert [m["step"] for m in lines if _eval_part(m)] == [0, 2]

@@ -321,12 +321,15 @@ def test_eval_curves_from_step_0_with_every_pass_at_k(tmp_path):
     # An evaluation before RL (a line of its own at step 0) and with steps 2 and 3 (megarl/stages/evaluate.py).
     ev = lambda s: {"eval/reward_mean": 0.1 * s, "eval/pass_at_1": 0.1 * s, "eval/pass_at_2": 0.2 * s,  # noqa: E731
                     "eval/pass_at_4": 0.3 * s, "eval/response_len_mean": 10.0 + s, "eval/response_len_max": 20.0 + s}
-    lines = [{"step": 0, **ev(0)}, _metrics_line(1), {**_metrics_line(2), **ev(2)}, {**_metrics_line(3), **ev(3)}]
+    lines = [{"step": 0, **ev(0)}, _metrics_line(1), {**_metrics_line(2), **ev(2)},
+             {**_metrics_line(3), **ev(3), "eval/greedy/pass_at_1": 0.5}]
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     data = metric_curves.curve_data(metric_curves.load_metrics(run))
-    assert list(data["eval.png"]) == ["eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4"]
+    assert list(data["eval.png"]) == ["eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4",
+                                      "eval/greedy/pass_at_1"]
+    assert data["eval.png"]["eval/greedy/pass_at_1"] == ([3], [0.5])
     assert data["eval.png"]["eval/pass_at_4"] == ([0, 2, 3], [0.0, 0.6, pytest.approx(0.9)])
     assert data["eval_length.png"]["eval/response_len_max"] == ([0, 2, 3], [20.0, 22.0, 23.0])
     assert data["reward.png"]["reward_mean"][0] == [1, 2, 3]  # the step-0 line has no training figures

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 PREFIX = "eval/"
 """Every evaluation metric's key starts with it (metrics.jsonl, TensorBoard and W&B panels)."""
+GREEDY_REWARD = PREFIX + "greedy/reward_mean"  # (with eval.greedy: the greedy pass's figures)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,8 +30,8 @@ def ks_for(n: int) -> list[int]:
 
 
 def eval_metrics(rewards: Sequence[Sequence[float]], lengths: Sequence[Sequence[int]],
-                 truncated: Sequence[Sequence[bool]], threshold: float) -> dict[str, float]:
-    """``eval/``-prefixed figures over prompts (one row per prompt, n samples each): the mean
+                 truncated: Sequence[Sequence[bool]], threshold: float, prefix: str = PREFIX) -> dict[str, float]:
+    """``prefix``-ed figures over prompts (one row per prompt, n samples each): the mean
     reward; ``pass_at_K`` averaged over prompts, a sample counting as correct when its reward is
     at least ``threshold``; mean/max response length; the fraction of responses cut at the token
     limit."""
@@ -47,14 +48,15 @@ def eval_metrics(rewards: Sequence[Sequence[float]], lengths: Sequence[Sequence[
     out["response_len_mean"] = math.fsum(flat_len) / len(flat_len)
     out["response_len_max"] = float(max(flat_len))
     out["truncated_frac"] = sum(flat_cut) / len(flat_cut)
-    return {PREFIX + k: v for k, v in out.items()}
+    return {prefix + k: v for k, v in out.items()}
 
 
-def eval_line(step: int, m: dict[str, float]) -> str:
-    """The progress line of one evaluation."""
+def eval_line(what: str, m: dict[str, float]) -> str:
+    """The progress line of one evaluation (``what``: of which weights, e.g. ``step 10``)."""
     n = int(m[PREFIX + "samples"])
-    return (f"eval step {step}: {int(m[PREFIX + 'prompts'])} held-out prompts x {n}: reward "
+    return (f"eval {what}: {int(m[PREFIX + 'prompts'])} held-out prompts x {n}: reward "
             f"{m[PREFIX + 'reward_mean']:.3f}, pass@1 {m[PREFIX + 'pass_at_1']:.3f}"
             + (f", pass@{n} {m[PREFIX + f'pass_at_{n}']:.3f}" if n > 1 else "")
             + f", length {m[PREFIX + 'response_len_mean']:.1f} (max {m[PREFIX + 'response_len_max']:.0f}), "
-              f"truncated {m[PREFIX + 'truncated_frac']:.1%}")
+              f"truncated {m[PREFIX + 'truncated_frac']:.1%}"
+            + (f"; greedy: reward {m[GREEDY_REWARD]:.3f}" if GREEDY_REWARD in m else ""))

@@ -14,13 +14,14 @@ model: the final export's figures equal the run's last in-run evaluation.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megarl.engine import Engine, Request, SamplingParams
-from megarl.rl.eval_metrics import eval_line, eval_metrics
+from megarl.rl.eval_metrics import PREFIX, eval_line, eval_metrics
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.rewards import RewardConfig
 from megarl.rl.task import Problem
@@ -55,6 +56,9 @@ class EvalConfig:
     ``rollout.max_new_tokens`` tokens)."""
     pass_threshold: float = 1.0
     """A sample counts as correct for pass@k when its reward is at least this."""
+    greedy: bool = False
+    """Also evaluate greedily (one response per prompt, the argmax at every token), logged under
+    ``eval/greedy/``; with ``temperature`` 0 the main evaluation is the greedy one already."""
 
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
@@ -132,11 +136,18 @@ class Evaluator:
                                      stop_token_ids=tokenizer.stop_ids)
 
     def run(self) -> dict[str, float]:
-        """The ``eval/`` figures of the engine's current weights."""
+        """The ``eval/`` figures of the engine's current weights (with ``eval.greedy`` and a sampling
+        temperature, the greedy pass's under ``eval/greedy/`` too)."""
+        metrics = self._figures(self.params, self.cfg.samples, PREFIX)
+        if self.cfg.greedy and self.params.temperature > 0:
+            greedy = dataclasses.replace(self.params, temperature=0.0, top_k=0, top_p=1.0)
+            metrics.update(self._figures(greedy, 1, PREFIX + "greedy/"))
+        return metrics
+
+    def _figures(self, params: SamplingParams, n: int, prefix: str) -> dict[str, float]:
         mine = list(range(self.replica, len(self.held.problems), self.replicas))
-        n = self.cfg.samples
         requests = [Request(uid=self.held.problems[i].uid, sample_idx=s, prompt_ids=self.held.prompt_ids[i],
-                            params=self.params) for i in mine for s in range(n)]
+                            params=params) for i in mine for s in range(n)]
         spec, self.engine.spec = self.engine.spec, None  # the speculator sees training samples only
         try:
             results = self.engine.generate(requests, step=EVAL_NOISE_STEP)
@@ -155,7 +166,7 @@ class Evaluator:
             rows = {i: row for share in shares for i, row in share.items()}
         order = sorted(rows)
         return eval_metrics([rows[i][0] for i in order], [rows[i][1] for i in order], [rows[i][2] for i in order],
-                            self.cfg.pass_threshold)
+                            self.cfg.pass_threshold, prefix)
 
 
 class Evaluation:
@@ -189,5 +200,5 @@ class Evaluation:
             return {}
         metrics = self.from_generators(self.evaluator.run() if self.evaluator is not None else None)
         if self.rank0:
-            log.info(eval_line(step, metrics))
+            log.info(eval_line(f"step {step}", metrics))
         return metrics

@@ -11,7 +11,8 @@ drawn from ``RUN_DIR/metrics.jsonl`` (one line per RL step; see README's run dir
     from the median is the long tail that makes synchronous rollouts wait.
 ``eval.png`` and ``eval_length.png``
     With evaluation on (the ``eval`` section, megarl/stages/evaluate.py): the held-out set's
-    ``eval/reward_mean`` and ``eval/pass_at_K`` for each K logged, and its response lengths
+    ``eval/reward_mean``, ``eval/pass_at_K`` for each K logged (and ``eval/greedy/pass_at_1``
+    with ``eval.greedy``), and its response lengths
     (``eval/response_len_mean``, ``eval/response_len_max``), at the evaluated steps; step 0 is
     the policy before RL.
 ``step_time.png``
@@ -47,6 +48,7 @@ LINE_CURVES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 """PNG name -> (title, y label, metrics drawn as lines); ``eval.png`` also draws every
 ``eval/pass_at_K`` key the lines hold (:func:`_keys`: K depends on ``eval.samples``)."""
 EVAL_PASS_PREFIX = "eval/pass_at_"
+GREEDY_PASS_1 = "eval/greedy/pass_at_1"  # (with eval.greedy: the greedy responses' accuracy)
 
 STEP_TIME_FILE = "step_time.png"
 STEP_TIME_PARTS: dict[str, str] = {"rollout_time_s": "generate", "bubble_time_s": "bubble",
@@ -98,7 +100,8 @@ def _keys(name: str, keys: tuple[str, ...], records: list[dict]) -> tuple[str, .
     if name != "eval.png":
         return keys
     passes = {k for r in records for k in r if k.startswith(EVAL_PASS_PREFIX)}
-    return keys + tuple(sorted(passes, key=lambda k: int(k.removeprefix(EVAL_PASS_PREFIX))))
+    greedy = tuple(k for k in (GREEDY_PASS_1,) if any(k in r for r in records))
+    return keys + tuple(sorted(passes, key=lambda k: int(k.removeprefix(EVAL_PASS_PREFIX)))) + greedy
 
 
 def curve_data(records: list[dict]) -> dict[str, dict[str, Series]]:

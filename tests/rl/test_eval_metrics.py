@@ -41,3 +41,14 @@ def test_eval_metrics_by_hand():
         "eval/response_len_mean": 33 / 8, "eval/response_len_max": 10.0, "eval/truncated_frac": 1 / 8,
     }
     assert eval_metrics([[0.5]], [[1]], [[False]], threshold=0.5)["eval/pass_at_1"] == 1.0
+
+
+def test_prefix_and_progress_line():
+    from megarl.rl.eval_metrics import eval_line
+
+    m = eval_metrics([[1.0, 0.0]], [[3, 5]], [[False, True]], 1.0)
+    g = eval_metrics([[1.0]], [[3]], [[False]], 1.0, prefix="eval/greedy/")
+    assert set(g) == {"eval/greedy/" + k.removeprefix("eval/") for k in m if k != "eval/pass_at_2"}
+    assert eval_line("step 4", {**m, **g}) == (
+        "eval step 4: 1 held-out prompts x 2: reward 0.500, pass@1 0.500, pass@2 1.000, length 4.0 (max 5), "
+        "truncated 50.0%; greedy: reward 1.000")
