@@ -108,3 +108,23 @@ def test_two_process_run_evaluates_as_megarl_eval_of_its_export(tmp_path, placem
     proc = megarl("eval", "--model", str(run / "hf"), "--config", SMOKE, *EVAL)
     assert json.loads(proc.stdout) == _eval_part(lines[-1])
     assert _eval_part(lines[-1])["eval/reward_mean"] > 0  # (the figures are not all zeros)
+
+
+def test_dataset_held_out_prompts_are_never_trained_on(tmp_path):
+    # A JSONL set: the last eval.prompts rows are the held-out set; training draws only the others.
+    from megarl.rl.tokenizer import CharTokenizer
+
+    tok_dir = tmp_path / "tok"
+    CharTokenizer().save_pretrained(tok_dir)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 3)]  # 8 rows
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    megarl("train", "--config", SMOKE, "--run-dir", str(run), "--set", "data.source=jsonl", "--set",
+           f"data.jsonl_path={data}", "--set", f"data.tokenizer_path={tok_dir}", "--set", "sft.steps=0",
+           "--set", "rl_steps=3", "--set", "checkpoint_every=0", "--set", "rollout.dump=true",
+           "--set", "eval.prompts=2", "--set", "eval.every=3")
+    trained = {s["uid"] for ln in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(ln)["samples"]}
+    assert trained == set(range(6))  # 12 prompt draws over 2 epochs of the 6 training rows; rows 6, 7 never
+    lines = read_metrics(run)
+    assert [m["step"] for m in lines if _eval_part(m)] == [0, 3] and lines[-1]["eval/prompts"] == 2

@@ -56,3 +56,52 @@ def test_dataset_held_out_set_is_never_drawn_for_training():
         held_out_set(EvalConfig(every=1, prompts=9), problems, ids, None, None, 50, prompts_per_step=2)
     with pytest.raises(ValueError, match="beyond the rollout engine's context of 3"):
         held_out_set(EvalConfig(every=1, prompts=3), problems, ids, None, None, 3, prompts_per_step=2)
+
+
+class _Tripwire:
+    """A speculator that fails on any use: evaluation must not reach the run's speculator."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"evaluation used the speculator ({name})")
+
+
+class _Tok:
+    stop_ids = (1,)
+
+    @staticmethod
+    def decode(tokens):
+        return " ".join(map(str, tokens))
+
+
+def test_evaluator_samples_with_its_own_noise_and_leaves_the_speculator_alone():
+    from megarl.engine import Request
+    from megarl.rl.eval_metrics import eval_metrics
+    from megarl.rl.rewards import RewardConfig
+    from megarl.stages.evaluate import EVAL_NOISE_STEP, Evaluator, HeldOut
+    from megarl.stages.rollout import RolloutConfig
+    from tests.engine.test_engine import engine
+
+    eng = engine(max_batch_size=4)
+    held = HeldOut([Problem(uid=100 + i, prompt="", answer="") for i in range(3)],
+                   [[5, 6, 7], [8, 9], [10, 11, 12, 13]], train_size=100)
+    reward = lambda problem, text: float(len(text.split()) % 2)  # noqa: E731 - any deterministic score
+    rollout = RolloutConfig(temperature=1.0, max_new_tokens=12, group_size=2)
+    ev = Evaluator(EvalConfig(every=1, prompts=3, samples=3), eng, held, reward, _Tok(), rollout,
+                   RewardConfig(workers=2))
+    trip = _Tripwire()
+    eng.spec = trip
+    got = ev.run()
+    assert eng.spec is trip  # restored, never called
+    eng.spec = None
+    # The figures of the engine's keyed samples of (held-out uid, sample index) at the evaluation's noise step.
+    reqs = [Request(uid=p.uid, sample_idx=s, prompt_ids=ids, params=ev.params)
+            for p, ids in zip(held.problems, held.prompt_ids) for s in range(3)]
+    res = eng.generate(reqs, step=EVAL_NOISE_STEP)
+    rows = [res[3 * i:3 * i + 3] for i in range(3)]
+    want = eval_metrics([[reward(None, _Tok.decode(r.tokens)) for r in row] for row in rows],
+                        [[len(r.tokens) for r in row] for row in rows],
+                        [[r.finish_reason == "length" for r in row] for row in rows], 1.0)
+    assert got == want
+    assert ev.run() == got  # the same weights: the same figures (every evaluation shares its noise)
+    step0 = eng.generate(reqs, step=0)  # (the noise step matters: training's steps sample other tokens)
+    assert [r.tokens for r in step0] != [r.tokens for r in res]
