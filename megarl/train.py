@@ -56,7 +56,7 @@ log = logging.getLogger("megarl")
 # config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "bubble_time_s",
              "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups", "reward_timeout_s",
-             "drafter_train_steps", "drafter_loss")
+             "drafter_train_steps", "drafter_loss", "eval_time_s")
 
 
 # Config fields a resumed run may change without changing its result (how long it runs, how often

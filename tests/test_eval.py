@@ -40,7 +40,8 @@ def test_eval_metrics_in_metrics_jsonl_and_tensorboard(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     lines = read_metrics(runs / "on")
-    assert set(lines[0]) == {"step"} | set(_eval_part(lines[0]))  # step 0: the policy before RL, eval only
+    assert set(lines[0]) == {"step", "eval_time_s"} | set(_eval_part(lines[0]))  # step 0: before RL, eval only
+    assert all(("eval_time_s" in m) == bool(_eval_part(m)) for m in lines)
     evaluated = [m["step"] for m in lines if _eval_part(m)]
     assert evaluated == [0, 2, 3]
     keys = {"eval/prompts", "eval/samples", "eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4",

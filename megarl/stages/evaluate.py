@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -172,9 +173,9 @@ class Evaluator:
 class Evaluation:
     """What the step loop calls after every step (every process, every role): ``evaluation(step)``
     returns the ``eval/`` figures of the weights after ``step`` updates when an evaluation is due
-    then (``{}`` otherwise). ``evaluator``: this process's (None where it does not generate);
-    ``from_generators``: hands the first generating process's figures to every process
-    (``Exchange.from_generators``)."""
+    then, and ``eval_time_s``, its wall time (``{}`` otherwise). ``evaluator``: this process's
+    (None where it does not generate); ``from_generators``: hands the first generating process's
+    figures to every process (``Exchange.from_generators``)."""
 
     def __init__(self, cfg: EvalConfig, rl_steps: int, evaluator: Evaluator | None, from_generators, rank0: bool):
         self.cfg, self.rl_steps, self.evaluator, self.from_generators, self.rank0 = \
@@ -198,7 +199,8 @@ class Evaluation:
     def __call__(self, step: int) -> dict[str, float]:
         if not self.due(step):
             return {}
+        t0 = time.perf_counter()
         metrics = self.from_generators(self.evaluator.run() if self.evaluator is not None else None)
         if self.rank0:
             log.info(eval_line(f"step {step}", metrics))
-        return metrics
+        return {**metrics, "eval_time_s": time.perf_counter() - t0}  # (a timing: outside eval/, not repeatable)
