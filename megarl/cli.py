@@ -1,4 +1,5 @@
-"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``convert``, ``report``, ``simulate``.
+"""``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``eval``, ``convert``, ``report``,
+``simulate``.
 
 Bad input (config keys and ranges, missing or malformed files and data) ends with one
 ``megarl: error: ...`` line and exit status 2; no traceback, nothing written (a ``train`` refused
@@ -196,54 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
 
-    p = sub.add_parser("generate", help="sample from a HF model folder with megarl's engine")
-    p.add_argument("--model", required=True, help="HF model folder (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="prompt text, repeatable (a user turn of the model's chat template, if it has one)")
-    p.add_argument("--system", help="system message (with a chat template; default: the template's own)")
-    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drafter", help="learned drafter folder (RUN_DIR/hf/drafter): speculative decoding with it "
-                                     "(same tokens, fewer target forwards; figures on stderr)")
-    p.add_argument("--draft-k", type=int, default=4, help="draft length of the drafter's chain (with --drafter)")
+    from megarl.model_cli import add_model_parsers
+
+    add_model_parsers(sub, _add_config_args)
     return parser
-
-
-def _generate(args) -> None:
-    import torch
-
-    from megarl.engine import Engine, EngineConfig, Request, SamplingParams
-    from megarl.models.hf_io import load_hf_model
-    from megarl.rl.tokenizer import HFTokenizer
-
-    model = load_hf_model(args.model, torch.float32)
-    tok = HFTokenizer(args.model, chat_template=False if args.no_chat_template else None, system_prompt=args.system)
-    spec = None
-    if args.drafter:
-        from megarl.spec.config import DrafterConfig, SpecConfig
-        from megarl.spec.speculator import Speculator
-
-        if args.draft_k < 1:
-            raise ValueError(f"--draft-k={args.draft_k} is invalid; valid range: >= 1")
-        spec = Speculator(SpecConfig(enabled=True, sources=(), forward_cost_tokens=0, drafter=DrafterConfig(
-            enabled=True, init_from=args.drafter, strategy="drafter", k=args.draft_k)))
-    prompts = [tok.encode_prompt(p) for p in args.prompt]
-    max_len = min(model.args.max_position_embeddings, max(map(len, prompts)) + args.max_new_tokens)
-    engine = Engine(model, EngineConfig(max_batch_size=len(args.prompt), max_seq_len=max_len,
-                                        dtype="float32", device="cpu"), seed=args.seed, spec=spec)
-    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=tok.stop_ids)
-    reqs = [Request(uid=i, sample_idx=0, prompt_ids=p, params=params) for i, p in enumerate(prompts)]
-    results = engine.generate(reqs, step=0)
-    for prompt, res in zip(args.prompt, results):
-        # with a chat template the prompt is a user turn: show the answer on its own
-        print(tok.decode(res.tokens) if tok.uses_chat_template else f"{prompt}{tok.decode(res.tokens)}")
-    if spec is not None:
-        m, n = spec.metrics(), sum(len(r.tokens) for r in results)
-        print(f"drafter: {n} tokens in {sum(r.n_forwards for r in results)} target forwards, "
-              f"{m.get('spec/accept_len_mean', 0.0):.2f} tokens per drafted forward", file=sys.stderr)
 
 
 def _fetch(args) -> int:
@@ -374,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.config import dump_config, load_config
 
     try:
-        if args.command == "generate":
-            _generate(args)
-            return 0
+        if args.command in ("generate", "eval"):
+            from megarl.model_cli import run_model_command
+
+            return run_model_command(args)
         if args.command == "report":
             from megarl.report import run_report
 

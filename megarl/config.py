@@ -19,6 +19,7 @@ from megarl.sched.bubble import ScheduleConfig
 from megarl.rl.grpo import GRPOConfig
 from megarl.rl.reasoning_gym_data import ReasoningGymConfig
 from megarl.rl.rewards import RewardConfig
+from megarl.stages.evaluate import EvalConfig
 from megarl.stages.rollout import RolloutConfig
 from megarl.stages.sft import SFTConfig
 from megarl.sched.tail import TailConfig
@@ -183,6 +184,8 @@ class RunConfig:
     """Reward scoring: worker threads, sandbox limits for code-executing rewards."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Long-tail scheduling: what rollout replicas do in their idle time (bubble work)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts every N steps (off by default; megarl/stages/evaluate.py)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where per-step metrics go besides RUN_DIR/metrics.jsonl: TensorBoard, Weights & Biases."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -201,6 +204,7 @@ class RunConfig:
             value = getattr(section, name)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(section, name, os.path.expanduser(value))
+        self.eval.check_against(self.rollout, self.tail.long_rollout_tp, self.parallel.rollout_tp)
         if self.data.source == "jsonl" and not self.data.jsonl_path:
             raise ValueError("data.jsonl_path is required when data.source=jsonl")
         if self.model.init_from_hf and self.model.init_from_mcore:

@@ -29,6 +29,7 @@ from megarl.rl.reasoning_gym_data import load_reasoning_gym
 from megarl.rl.rewards import python_tests_problem_reward
 from megarl.rl.task import AdditionTask, Problem
 from megarl.rl.tokenizer import CharTokenizer, HFTokenizer
+from megarl.stages.evaluate import HeldOut, held_out_set
 
 
 @dataclass
@@ -56,6 +57,13 @@ class RunInputs:
     this run's trainer layout)."""
     data_sha256: str = ""
     """:func:`data_digest` of the prompt set: recorded in every checkpoint, checked on resume."""
+    held_out: HeldOut | None = None
+    """The ``eval`` section's held-out prompts (megarl/stages/evaluate.py), None without them."""
+
+    @property
+    def train_size(self) -> int:
+        """How many prompts training draws from (uids ``0 .. train_size-1``)."""
+        return self.held_out.train_size if self.held_out is not None else len(self.problems)
 
 
 def data_digest(problems: list[Problem], prompt_ids: list[list[int]]) -> str:
@@ -283,10 +291,13 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                                 limit_key)
     _check_drafter_start(cfg, args)
     max_seq_len = max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens
+    held_out = held_out_set(cfg.eval, problems, prompt_ids, tokenizer, task, max_seq_len,
+                            cfg.rollout.prompts_per_step)
     return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,
                      reward_fn=reward_fn, args=args,
                      init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
-                     layout=check_layout(cfg, args), data_sha256=data_digest(problems, prompt_ids))
+                     layout=check_layout(cfg, args), data_sha256=data_digest(problems, prompt_ids),
+                     held_out=held_out)
 
 
 def check_containment(cfg: RunConfig, reward_fn) -> None:

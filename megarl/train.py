@@ -39,6 +39,7 @@ from megarl.sched.timeline import timeline_line
 from megarl.setup_run import RunInputs, check_layout, prepare_inputs
 from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
+from megarl.stages.evaluate import Evaluation
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
 from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.stages.sft import run_sft
@@ -56,7 +57,7 @@ log = logging.getLogger("megarl")
 # config (a resumed run reproduces it exactly).
 TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "weight_sync_gbps", "vllm_load_s",
              "bubble_time_s", "stream_train_time_s", "bubble_frac", "bubble_tokens", "bubble_groups",
-             "reward_timeout_s", "drafter_train_steps", "drafter_loss")
+             "reward_timeout_s", "drafter_train_steps", "drafter_loss", "eval_time_s")
 
 
 # Config fields a resumed run may change without changing its result (how long it runs, how often
@@ -67,7 +68,9 @@ TIME_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "weight_sync_s", "
 # --allow-config-change. Listed in README.md ("Checkpoints, resume and preemption").
 RECORD_CONFIG = "run_config"  # the run's config in every checkpoint's state.json (with the data's digest)
 RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
-                     "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb")
+                     "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb",
+                     "eval.every", "eval.samples", "eval.temperature", "eval.max_new_tokens", "eval.pass_threshold",
+                     "eval.greedy")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
@@ -255,13 +258,18 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
            layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
     run, start, engine = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
+    evaluation = Evaluation.build(cfg.eval, cfg.rl_steps, inputs, engine, cfg.rollout, cfg.reward, rollout_groups,
+                                  layout.rollout_dp, run.exchange.from_generators, dims.rank == 0)
     history = []
     bar = tqdm(range(start, cfg.rl_steps), desc="GRPO", disable=not cfg.progress or dims.rank != 0, initial=start,
                total=cfg.rl_steps)
     with MetricsLogger(run_dir, cfg.logging, enabled=dims.rank == 0, config_dict=to_dict(cfg),
                        resume_step=start) as metrics_log:
+        if start == 0 and (before := evaluation(0)) and dims.rank == 0:
+            metrics_log.log(0, before)  # the weights RL starts from (a line of its own: step 0)
         for step in bar:
             result = run_step(run, step)
+            result.metrics.update(evaluation(step + 1))  # the weights the step's sync put in the engine
             history.append(result.metrics)
             if dims.rank == 0:
                 _write_step(run_dir, cfg, result, run.rollout.aborted, metrics_log)
@@ -293,7 +301,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if dims.generates:
         engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, rollout_groups.tp_group)
     start, trainer_state, loop_state = 0, {}, {}
-    prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, len(inputs.problems))
+    prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, inputs.train_size)
     if ckpt is not None:
         trainer_state, loop_state = load_checkpoint(ckpt, dims)
         if trainer is not None:

@@ -274,7 +274,8 @@ def test_metric_curves_written_and_match_metrics(tmp_path, caplog):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()[:4]]
     data = metric_curves.curve_data(metric_curves.load_metrics(run))
     assert list(data) == names
-    for name, (_, _, keys) in metric_curves.LINE_CURVES.items():
+    for name in names[:-1]:  # (no eval/ metrics in these lines: no evaluation figures)
+        keys = metric_curves.LINE_CURVES[name][2]
         assert list(data[name]) == list(keys)
         for key in keys:
             assert data[name][key] == ([1, 2, 3, 4], [float(x[key]) for x in lines]), key
@@ -314,3 +315,22 @@ def test_bad_metrics_line_names_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"metrics\.jsonl:1: malformed JSON"):
         render_report(run)
     assert not (run / "report").exists()  # nothing written on bad input
+
+
+def test_eval_curves_from_step_0_with_every_pass_at_k(tmp_path):
+    # An evaluation before RL (a line of its own at step 0) and with steps 2 and 3 (megarl/stages/evaluate.py).
+    ev = lambda s: {"eval/reward_mean": 0.1 * s, "eval/pass_at_1": 0.1 * s, "eval/pass_at_2": 0.2 * s,  # noqa: E731
+                    "eval/pass_at_4": 0.3 * s, "eval/response_len_mean": 10.0 + s, "eval/response_len_max": 20.0 + s}
+    lines = [{"step": 0, **ev(0)}, _metrics_line(1), {**_metrics_line(2), **ev(2)},
+             {**_metrics_line(3), **ev(3), "eval/greedy/pass_at_1": 0.5}]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = metric_curves.curve_data(metric_curves.load_metrics(run))
+    assert list(data["eval.png"]) == ["eval/reward_mean", "eval/pass_at_1", "eval/pass_at_2", "eval/pass_at_4",
+                                      "eval/greedy/pass_at_1"]
+    assert data["eval.png"]["eval/greedy/pass_at_1"] == ([3], [0.5])
+    assert data["eval.png"]["eval/pass_at_4"] == ([0, 2, 3], [0.0, 0.6, pytest.approx(0.9)])
+    assert data["eval_length.png"]["eval/response_len_max"] == ([0, 2, 3], [20.0, 22.0, 23.0])
+    assert data["reward.png"]["reward_mean"][0] == [1, 2, 3]  # the step-0 line has no training figures
+    assert {p.name for p in render_report(run)} >= {"eval.png", "eval_length.png", "reward.png"}

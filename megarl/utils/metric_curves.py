@@ -9,6 +9,12 @@ drawn from ``RUN_DIR/metrics.jsonl`` (one line per RL step; see README's run dir
 ``response_length.png``
     ``response_len_mean``, ``response_len_p50`` and ``response_len_max``: the max pulling away
     from the median is the long tail that makes synchronous rollouts wait.
+``eval.png`` and ``eval_length.png``
+    With evaluation on (the ``eval`` section, megarl/stages/evaluate.py): the held-out set's
+    ``eval/reward_mean``, ``eval/pass_at_K`` for each K logged (and ``eval/greedy/pass_at_1``
+    with ``eval.greedy``), and its response lengths
+    (``eval/response_len_mean``, ``eval/response_len_max``), at the evaluated steps; step 0 is
+    the policy before RL.
 ``step_time.png``
     Per step, stacked bars of ``rollout_time_s``, ``bubble_time_s`` (work after the rollout
     that the bubble schedule left), ``train_time_s`` and ``weight_sync_s``, plus ``other``: what
@@ -35,8 +41,14 @@ LINE_CURVES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "entropy.png": ("Policy entropy (mean per sampled token)", "nats", ("entropy_mean",)),
     "response_length.png": ("Response length", "tokens", ("response_len_mean", "response_len_p50",
                                                           "response_len_max")),
+    "eval.png": ("Held-out evaluation: reward and pass@k", "score", ("eval/reward_mean",)),
+    "eval_length.png": ("Held-out evaluation: response length", "tokens", ("eval/response_len_mean",
+                                                                          "eval/response_len_max")),
 }
-"""PNG name -> (title, y label, metrics drawn as lines)."""
+"""PNG name -> (title, y label, metrics drawn as lines); ``eval.png`` also draws every
+``eval/pass_at_K`` key the lines hold (:func:`_keys`: K depends on ``eval.samples``)."""
+EVAL_PASS_PREFIX = "eval/pass_at_"
+GREEDY_PASS_1 = "eval/greedy/pass_at_1"  # (with eval.greedy: the greedy responses' accuracy)
 
 STEP_TIME_FILE = "step_time.png"
 STEP_TIME_PARTS: dict[str, str] = {"rollout_time_s": "generate", "bubble_time_s": "bubble",
@@ -58,8 +70,8 @@ def load_metrics(run_dir: str | os.PathLike) -> list[dict]:
     by_step: dict[int, dict] = {}
     for lineno, rec in read_numbered_lines(path):
         step = rec.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ValueError(f"{path}:{lineno}: step must be an integer >= 1, got {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:  # 0: the evaluation before RL
+            raise ValueError(f"{path}:{lineno}: step must be an integer >= 0, got {step!r}")
         for key in (*{k for _, _, keys in LINE_CURVES.values() for k in keys}, *STEP_TIME_PARTS, "step_time_s"):
             if key in rec and not (_is_num(rec[key]) or rec[key] is None):
                 raise ValueError(f"{path}:{lineno}: {key} must be a number, got {rec[key]!r}")
@@ -84,11 +96,19 @@ def step_time_split(records: list[dict]) -> dict[str, Series]:
     return out
 
 
+def _keys(name: str, keys: tuple[str, ...], records: list[dict]) -> tuple[str, ...]:
+    if name != "eval.png":
+        return keys
+    passes = {k for r in records for k in r if k.startswith(EVAL_PASS_PREFIX)}
+    greedy = tuple(k for k in (GREEDY_PASS_1,) if any(k in r for r in records))
+    return keys + tuple(sorted(passes, key=lambda k: int(k.removeprefix(EVAL_PASS_PREFIX)))) + greedy
+
+
 def curve_data(records: list[dict]) -> dict[str, dict[str, Series]]:
     """PNG name -> metric -> (steps, values): exactly what each drawn figure plots."""
     data = {}
     for name, (_, _, keys) in LINE_CURVES.items():
-        series = {k: _series(records, k) for k in keys}
+        series = {k: _series(records, k) for k in _keys(name, keys, records)}
         if any(steps for steps, _ in series.values()):
             data[name] = series
     split = step_time_split(records)
