@@ -17,7 +17,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from megarl.checkpoint.export import export_hf
-from megarl.checkpoint.rl_state import latest_checkpoint, load_checkpoint, remove_orphaned_temporaries, save_checkpoint
+from megarl.checkpoint.rl_state import (TRAINER_FORMAT, latest_checkpoint, load_checkpoint, remove_orphaned_temporaries,
+                                        save_checkpoint)
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
@@ -149,17 +150,33 @@ def _check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
     state = read_state(ckpt)
     p = cfg.parallel
     saved = tuple(state.get(f"trainer_{k}", 1) for k in ("tp", "pp", "vpp"))
-    if saved != (p.trainer_tp, p.trainer_pp, p.trainer_vpp):
+    if state.get("trainer_format") == TRAINER_FORMAT:  # reshards over TP/PP/DP (megarl/stream_train/dist_ckpt.py)
+        _check_folder_fits(ckpt, saved[2], bool(state.get("trainer_distributed_optimizer")), cfg)
+    elif saved != (p.trainer_tp, p.trainer_pp, p.trainer_vpp):
         raise RunDirError(f"checkpoint {ckpt} was written with parallel.trainer_tp/pp/vpp={'/'.join(map(str, saved))}; "
                           f"this run has {p.trainer_tp}/{p.trainer_pp}/{p.trainer_vpp}: resume with the checkpoint's "
-                          f"(resharding a checkpoint is not supported yet; the data-parallel size may change)")
-    _check_optimizer_shards(ckpt, state.get("trainer_optimizer_dp", 0), cfg)
+                          f"(its trainer is in the per-piece format of older megarl or of a run with virtual "
+                          f"pipeline stages, which does not reshard; the data-parallel size may change)")
+    else:
+        _check_optimizer_shards(ckpt, state.get("trainer_optimizer_dp", 0), cfg)
     if cfg.tail.enabled and "tail" not in state:
         raise RunDirError(f"checkpoint {ckpt} was written without tail batching: resume with tail.enabled=false, "
                           f"or start a new run")
     if cfg.grpo.kl_coef > 0 and state.get("step", 0) > 0 and not (ckpt / "ref.pt").exists():
         raise RunDirError(f"checkpoint {ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
                           f"resume with grpo.kl_coef=0")
+
+
+def _check_folder_fits(ckpt: Path, saved_vpp: int, saved: bool, cfg: RunConfig) -> None:
+    """A checkpoint whose trainer is a Megatron distributed checkpoint resumes on any TP/PP/DP
+    layout, with its optimizer kind (``saved``: the distributed optimizer) and without virtual
+    pipeline stages (which write per-piece files)."""
+    if saved_vpp != cfg.parallel.trainer_vpp:
+        raise RunDirError(f"checkpoint {ckpt} was written with parallel.trainer_vpp={saved_vpp}; this run has "
+                          f"{cfg.parallel.trainer_vpp}: resume with the checkpoint's")
+    if saved != cfg.trainer.distributed_optimizer:
+        raise RunDirError(f"checkpoint {ckpt} was written with trainer.distributed_optimizer={saved}; this run has "
+                          f"{cfg.trainer.distributed_optimizer}: resume with the checkpoint's")
 
 
 def _check_optimizer_shards(ckpt: Path, saved_dp: int, cfg: RunConfig) -> None:
@@ -323,7 +340,7 @@ def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Traine
             atomic_write_text(run_dir / "sft.json", json.dumps(sft))
         trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
     if cfg.checkpoint_every:
-        save_checkpoint(run_dir, 0, trainer.state_dict() if trainer is not None else None, {},
+        save_checkpoint(run_dir, 0, trainer.checkpoint_state() if trainer is not None else None, {},
                         keep=cfg.keep_checkpoints, dims=dims)
 
 

@@ -145,3 +145,16 @@ def _load_optimizer(trainer, state) -> None:
             opt.optimizer.state[p]["step"] = step.clone() if torch.is_tensor(step) else step
     if len(opts) > 1:
         trainer.optimizer._synchronize_steps()
+
+
+class TrainerFolder:
+    """What an RL checkpoint (megarl/checkpoint/rl_state.py) holds of a trainer in this format:
+    the checkpoint writes it with :meth:`write_folder` into its ``trainer/`` folder, every
+    process together, and records ``trainer_format`` in ``state.json``."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.distributed_optimizer = trainer.cfg.distributed_optimizer  # (state.json: checked before a resume)
+
+    def write_folder(self, folder: Path) -> None:
+        save_trainer(self.trainer, folder)

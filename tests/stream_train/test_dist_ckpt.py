@@ -2,6 +2,7 @@
 written at TP=2 x DP=1, they resume at TP=1 x DP=2 and at PP=2 and continue with the
 uninterrupted run's weights (fp32: rounding level; the same layout: bitwise), with the plain and
 the distributed optimizer; Megatron-core alone loads the folder (no megarl code)."""
+import json
 import re
 from pathlib import Path
 
@@ -81,3 +82,63 @@ def test_megatron_core_alone_loads_it(sharded_opt):
         # fp32: the master weights are the weights; the moments are there, of the weights' shapes
         assert torch.equal(plain[f"optimizer.state.param.{name}"], plain[name]), name
         assert plain[f"optimizer.state.exp_avg_sq.{name}"].shape == plain[name].shape, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_process_checkpoint_folder_resumes_bitwise(dims, make_args, tmp_path, dtype):
+    """One process, through the RL checkpoint (save_checkpoint / load_checkpoint): the weights,
+    moments, bf16 master weights, lr and step count come back bitwise; every file of the folder is
+    checksummed (a changed one is named on load)."""
+    from megarl.checkpoint.rl_state import CheckpointCorrupted, load_checkpoint, save_checkpoint, read_state
+
+    from .test_trainer import make_batch, nll_loss
+    from megarl.stream_train.trainer import Trainer, TrainerConfig
+
+    args = make_args("qwen2")
+    cfg = TrainerConfig(lr=5e-3, weight_decay=0.1, micro_batch_size=4, dtype=dtype, checkpoint_format="torch_dist")
+    batches = [make_batch(args, seed=s) for s in range(3)]
+    run = Trainer(args, cfg, dims, seed=11)
+    run.train_step(batches[0], nll_loss)
+    run.set_lr(2e-3)
+    run.train_step(batches[1], nll_loss)
+    path = save_checkpoint(tmp_path, 2, run.checkpoint_state(), {"marker": 3})
+    assert read_state(path)["trainer_format"] == "torch_dist" and not (path / "trainer.pt").exists()
+    recorded = json.loads((path / "state.json").read_text())["checksums"]["files"]
+    assert "trainer/common.pt" in recorded and "trainer/metadata.json" in recorded
+    run.train_step(batches[2], nll_loss)
+    want = run.hf_state_dict()
+
+    resumed = Trainer(args, cfg, dims, seed=99)
+    trainer_state, loop_state = load_checkpoint(path)
+    assert loop_state["marker"] == 3
+    resumed.load_state_dict(trainer_state)
+    assert resumed.steps_done == 2 and resumed.lr == 2e-3
+    resumed.train_step(batches[2], nll_loss)
+    got = resumed.hf_state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    common = path / "trainer" / "common.pt"
+    common.write_bytes(common.read_bytes()[:-1] + bytes([common.read_bytes()[-1] ^ 1]))
+    with pytest.raises(CheckpointCorrupted, match="trainer/common.pt does not match"):
+        load_checkpoint(path)
+
+
+def test_resume_checks_let_a_folder_checkpoint_reshard(tmp_path):
+    """train.py's checks before a resume: a torch_dist checkpoint may change TP/PP/DP, not the
+    optimizer kind; a per-piece one may not change TP/PP."""
+    from megarl.config import load_config
+    from megarl.train import RunDirError, _check_checkpoint_fits
+
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    cfg = load_config("configs/smoke.yaml", ["parallel.trainer_tp=2", "trainer.checkpoint_format=torch_dist"])
+    state = {"step": 2, "trainer_tp": 1, "trainer_pp": 2, "trainer_vpp": 1, "trainer_format": "torch_dist",
+             "trainer_distributed_optimizer": False}
+    (ckpt / "state.json").write_text(json.dumps(state))
+    _check_checkpoint_fits(ckpt, cfg)  # TP 1 -> 2, PP 2 -> 1: allowed
+    (ckpt / "state.json").write_text(json.dumps({**state, "trainer_distributed_optimizer": True}))
+    with pytest.raises(RunDirError, match="trainer.distributed_optimizer=True"):
+        _check_checkpoint_fits(ckpt, cfg)
+    (ckpt / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "trainer_format"}))
+    with pytest.raises(RunDirError, match="does not reshard"):
+        _check_checkpoint_fits(ckpt, cfg)
