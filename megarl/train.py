@@ -41,6 +41,7 @@ from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.stages.sft import run_sft
 from megarl.stages.step import Run, StepResult, run_step
 from megarl.stream_train.model import parse_dtype
+from megarl.stream_train.reference import ShardedReference
 from megarl.stream_train.trainer import Trainer
 from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
@@ -302,8 +303,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
             if start > 0 and "ref" not in trainer_state:
                 raise RunDirError(f"{ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
                                   f"resume with grpo.kl_coef=0")
-            ref = CausalLM(inputs.args).to(torch.float64 if cfg.trainer.dtype == "float64" else torch.float32)
-            ref.load_state_dict(trainer_state.get("ref") or trainer.hf_state_dict())
+            ref = ShardedReference(trainer, trainer_state.get("ref"))  # this rank's piece only
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
                              receiver=receiver)
