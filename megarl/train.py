@@ -63,12 +63,14 @@ class RunDirError(ValueError):
 
 # Config fields a resumed run may change without changing its result (how long it runs, how often
 # and how many checkpoints it keeps, where metrics go, failure detection, the rollouts dump, reward
-# threads, the OS priority of bubble work, the chunking of weight transfers); a key ending in "."
+# threads, the OS priority of bubble work, the chunking of weight transfers, the trainer's checkpoint
+# format: either loads into the same trainer); a key ending in "."
 # stands for its whole section. Everything else changes samples or updates (in fp32 even the
 # batch shapes of speculation, placement or max_batch_size change rounding), so a change needs
 # --allow-config-change. Listed in README.md ("Checkpoints, resume and preemption").
 RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
-                     "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb")
+                     "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb",
+                     "trainer.checkpoint_format")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,

@@ -142,3 +142,20 @@ def test_resume_checks_let_a_folder_checkpoint_reshard(tmp_path):
     (ckpt / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "trainer_format"}))
     with pytest.raises(RunDirError, match="does not reshard"):
         _check_checkpoint_fits(ckpt, cfg)
+
+
+def test_folder_format_is_refused_where_it_is_not_built(monkeypatch):
+    """trainer.checkpoint_format=torch_dist with disaggregated placement or virtual pipeline
+    stages: one error at the start, naming the fix (not a failure at the first checkpoint)."""
+    from megarl.config import load_config
+    from megarl.setup_run import check_layout, prepare_inputs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = ["trainer.checkpoint_format=torch_dist", "model.num_hidden_layers=4"]
+    args = prepare_inputs(load_config("configs/smoke.yaml", base)).args
+    check_layout(load_config("configs/smoke.yaml", base + ["parallel.trainer_tp=2"]), args, 4)  # colocated: fine
+    for extra in (["parallel.placement=disaggregated", "parallel.rollout_ranks=1"],
+                  ["parallel.trainer_pp=2", "parallel.trainer_vpp=2"]):
+        with pytest.raises(ValueError, match="checkpoint_format=torch_dist needs parallel.placement=colocated and "
+                                             "parallel.trainer_vpp=1.*use trainer.checkpoint_format=pieces"):
+            check_layout(load_config("configs/smoke.yaml", base + extra), args, 4)
