@@ -35,7 +35,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     one), a config error, a corrupted JSONL file. Only these (and a full disk) are caught around
     ``train()``."""
     from megarl.checkpoint.rl_state import CheckpointCorrupted
-    from megarl.train import RunDirError
+    from megarl.run_dir import RunDirError
     from megarl.utils.jsonl import JsonlCorrupted
     from megarl.utils.run_lock import RunDirLocked
 
@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "schedule" and args.speed_ref < 0:
             raise ValueError(f"--speed-ref={args.speed_ref} is invalid; valid range: >= 0 (0: none)")
         from megarl.setup_run import prepare_inputs
-        from megarl.train import check_run_dir, train
+        from megarl.resume import check_run_dir
+        from megarl.train import train
 
         if args.command == "train":  # (cheap: before the inputs are loaded) the directory fits the request
             if args.allow_config_change and not args.resume:

@@ -84,6 +84,11 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     p = cfg.parallel
     layout = Layout.build(p, world, args.num_attention_heads, args.num_key_value_heads, args.num_hidden_layers,
                           getattr(args, "num_experts", 0) or 0)
+    if cfg.trainer.checkpoint_format == "torch_dist" and (p.placement == "disaggregated" or p.trainer_vpp > 1):
+        raise ValueError(f"trainer.checkpoint_format=torch_dist needs parallel.placement=colocated and "
+                         f"parallel.trainer_vpp=1 (Megatron's distributed save is collective over every process; "
+                         f"virtual pipeline stages are untried); this run has placement={p.placement}, "
+                         f"trainer_vpp={p.trainer_vpp}: use trainer.checkpoint_format=pieces")
     if p.placement == "disaggregated" and cfg.stream_train:
         raise ValueError("stream_train=true needs parallel.placement=colocated: with disaggregated placement the "
                          "trainers get a step's groups once its rollout is over (streaming them over while the "

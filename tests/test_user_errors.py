@@ -402,7 +402,7 @@ def test_resume_config_check_lists_what_may_change(small_run):
     """rl_steps, checkpoint_every, logging.* (and the rest of RESUME_MAY_CHANGE) pass; the others
     are returned (and logged) with --allow-config-change instead of refused."""
     from megarl.config import load_config
-    from megarl.train import RunDirError, check_resume_config
+    from megarl.resume import RunDirError, check_resume_config
 
     free = load_config(SMOKE[1], [*SMALL[3::2], "rl_steps=5", "checkpoint_every=2", "keep_checkpoints=3",
                               "logging.tensorboard=false", "progress=true", "watchdog.timeout_s=120"])

@@ -1,7 +1,11 @@
 """Resumable RL checkpoints: trainer state (model + optimizer) and loop state, written atomically.
 
-Layout: ``RUN_DIR/checkpoints/step_000010/{trainer.pt,state.json[,ref.pt]}``, with one
-``trainer_tp<t>_pp<p>.pt`` per model-parallel piece instead of ``trainer.pt`` when TP or PP > 1, plus
+Layout: ``RUN_DIR/checkpoints/step_000010/{trainer/,state.json[,ref.pt]}``: ``trainer/`` is a
+Megatron-core distributed checkpoint (``torch_dist``, megarl/stream_train/dist_ckpt.py; state.json
+says ``"trainer_format": "torch_dist"``), which resumes on another TP/PP/DP layout and which
+Megatron-LM reads. Runs with virtual pipeline stages or processes that only generate, and
+checkpoints of older megarl, have ``trainer.pt`` instead, or one ``trainer_tp<t>_pp<p>.pt`` per
+model-parallel piece when TP or PP > 1 (they resume in the layout that wrote them), plus
 files that single processes add (``rank_files``: the learned drafter's state per rollout replica,
 ``drafter_replica<r>.pt``, megarl/spec/drafter_state.py). A checkpoint directory
 appears only when complete (temp dir + rename), so ``latest_checkpoint`` never sees half of one.
@@ -41,6 +45,8 @@ from megarl.utils.run_lock import RunLock
 
 _STEP_DIR = re.compile(r"^step_(\d{6})$")
 _STATE = "state.json"
+TRAINER_FORMAT = "torch_dist"   # state.json's trainer_format: the trainer is in TRAINER_DIR, reshardable
+TRAINER_DIR = "trainer"
 _SUM_SUFFIX = ".checksum.json"   # a writer's sidecar in a multi-process write, folded into state.json
 # What atomic writes leave when interrupted: atomic_dir's ".NAME.tmp-XXXX" and ".NAME.old-PID",
 # save_checkpoint's shared ".step_N.tmp", export's ".hf.pieces", atomic_write_*'s ".FILE.tmp-XXXX".
@@ -120,12 +126,19 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
     tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
     meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
             **loop_state}
-    if trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
+    folder = getattr(trainer_state, "write_folder", None)  # the reshardable format (module docstring)
+    if folder is not None:
+        meta["trainer_format"] = TRAINER_FORMAT  # (the optimizer kind: checked on resume before the start)
+        meta["trainer_distributed_optimizer"] = trainer_state.distributed_optimizer
+    elif trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
         meta["trainer_optimizer_dp"] = trainer_state["optimizer_shard"]["dp"]  # the DP size a resume needs
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
             _write_rank_files(tmp, rank_files)
-            _write(tmp, trainer_file(0, 0, 1, 1), trainer_state, meta, ref_state)
+            if folder is not None:
+                (tmp / TRAINER_DIR).mkdir()
+                folder(tmp / TRAINER_DIR)
+            _write(tmp, trainer_file(0, 0, 1, 1) if folder is None else None, trainer_state, meta, ref_state)
     else:
         # One shared temporary directory: rank 0 makes it, every piece writes into it, rank 0
         # renames it once all have written (barriers), so the checkpoint still appears whole.
@@ -133,9 +146,13 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
         if dims.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if folder is not None:
+                (tmp / TRAINER_DIR).mkdir()
         dist.barrier()
         written = []
-        if dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
+        if folder is not None:  # every process together (rank 0 hashes its files in _write)
+            folder(tmp / TRAINER_DIR)
+        elif dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
             name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
             torch_save(trainer_state, tmp / name)
             written.append(name)
@@ -169,9 +186,10 @@ def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) ->
     for sidecar in sorted(tmp.glob("*" + _SUM_SUFFIX)):
         files.update(json.loads(sidecar.read_text()))
         sidecar.unlink()
-    for path in sorted(tmp.iterdir()):
-        if path.name not in files and path.name != _STATE:
-            files[path.name] = _file_record(path)
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        name = path.relative_to(tmp).as_posix()   # trainer/...: the distributed checkpoint's files
+        if name not in files and name != _STATE:
+            files[name] = _file_record(path)
     meta = {**meta, "checksums": {"algorithm": checksum.FILES, "files": files}}
     meta["state_sha256"] = _state_digest(meta)
     with open(tmp / _STATE, "w") as f:
@@ -214,11 +232,15 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
     vpp = dims.vpp if dims is not None else 1
     saved = (loop_state.pop("trainer_tp", 1), loop_state.pop("trainer_pp", 1), loop_state.pop("trainer_vpp", 1))
     loop_state.pop("trainer_optimizer_dp", None)  # checked by the trainer (and train.py before the start)
+    loop_state.pop("trainer_distributed_optimizer", None)
+    if loop_state.pop("trainer_format", None) == TRAINER_FORMAT:
+        return _load_folder(path, loop_state, dims, saved[2], vpp)
     if saved != (tp, pp, vpp):
         raise ValueError(f"checkpoint {path} was written with trainer_tp={saved[0]}, trainer_pp={saved[1]}, "
                          f"trainer_vpp={saved[2]}; this run has trainer_tp={tp}, trainer_pp={pp}, trainer_vpp={vpp}: "
                          f"resume with the same parallel.trainer_tp/pp/vpp "
-                         f"(resharding a checkpoint is not supported yet; the data-parallel size may change, except with "
+                         f"(its trainer is in the per-piece format of older megarl or of a run with virtual pipeline "
+                         f"stages, which does not reshard; the data-parallel size may change, except with "
                          f"trainer.distributed_optimizer)")
     if dims is not None and not dims.trains:  # a generating-only process: the loop state is all it needs
         verify_checkpoint(path)
@@ -233,6 +255,25 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
     trainer_state = torch.load(path / name, map_location="cpu", weights_only=False)
     if shard is not None:
         trainer_state.update(torch.load(path / shard, map_location="cpu", weights_only=False))
+    if (path / "ref.pt").exists():
+        trainer_state["ref"] = torch.load(path / "ref.pt", map_location="cpu", weights_only=True)
+    return trainer_state, loop_state
+
+
+def _load_folder(path: Path, loop_state: dict, dims, saved_vpp: int, vpp: int) -> tuple[dict, dict]:
+    """A checkpoint in the reshardable format: the trainer loads its ``trainer/`` folder in any
+    TP/PP/DP layout (``dist_folder``, megarl/stream_train/dist_ckpt.py); virtual pipeline stages
+    write the per-piece format, so both sides have none."""
+    if saved_vpp != vpp:
+        raise ValueError(f"checkpoint {path} was written with trainer_vpp={saved_vpp}; this run has trainer_vpp={vpp}: "
+                         f"resume with parallel.trainer_vpp={saved_vpp}")
+    if dims is not None and not dims.trains:
+        verify_checkpoint(path)
+        return {}, loop_state
+    # every trainer process reads the folder's files (each loads the parts its layout needs)
+    names = [p.relative_to(path).as_posix() for p in sorted((path / TRAINER_DIR).rglob("*")) if p.is_file()]
+    verify_checkpoint(path, read=[*names, "ref.pt"])
+    trainer_state: dict[str, Any] = {"dist_folder": path / TRAINER_DIR}
     if (path / "ref.pt").exists():
         trainer_state["ref"] = torch.load(path / "ref.pt", map_location="cpu", weights_only=True)
     return trainer_state, loop_state

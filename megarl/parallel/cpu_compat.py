@@ -67,6 +67,10 @@ _SHIMMED_MODULES = {
     "megatron.core.transformer.moe.token_dispatcher": "cuda stream, events",
     # MoE: _AllToAll (the EP token exchange) allocates its output on torch.cuda.current_device().
     "megatron.core.tensor_parallel.mappings": "current_device in _AllToAll",
+    # Distributed checkpoints (torch_dist): the writer synchronises the device before it stages
+    # tensors; the save's finalisation all-reduces its failure flags in tensors on the device.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "device='cuda' flags",
 }
 
 # Tensor factories whose ``device=`` the proxy maps from CUDA to CPU.

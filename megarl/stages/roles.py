@@ -127,7 +127,7 @@ class TrainerSide:
 
     def state(self) -> tuple[dict, dict | None]:
         """Trainer state and reference weights for a checkpoint."""
-        return self.trainer.state_dict(), self.ref.state_dict() if self.ref is not None else None
+        return self.trainer.checkpoint_state(), self.ref.state_dict() if self.ref is not None else None
 
 
 class NoTrainer:

@@ -87,9 +87,12 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, t
 
 
 def ref_token_logprobs(ref, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Logprob of token t+1 at t under the (plain-torch, whole-vocabulary) reference model at
-    ``temperature``, as the trainer's are, so the KL term compares the same distributions:
-    [B, T-1], fp32."""
+    """Logprob of token t+1 at t under the reference at ``temperature``, as the trainer's are, so
+    the KL term compares the same distributions: [B, T-1], fp32. ``ref``: a sharded reference
+    (megarl/stream_train/reference.py, the trainer's forward on the reference weights: runs use
+    it) or a plain-torch, whole-vocabulary model."""
+    if hasattr(ref, "token_logprobs"):
+        return ref.token_logprobs(input_ids, temperature)
     with torch.no_grad():
         logits = ref(input_ids).float()
         return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], None, logits.shape[-1], temperature)

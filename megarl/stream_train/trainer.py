@@ -82,8 +82,17 @@ class TrainerConfig:
     over the data-parallel ranks (each holds 1/DP of them), gradients are reduce-scattered and
     the updated weights all-gathered. Same update as without it, up to rounding."""
 
+    checkpoint_format: str = "pieces"
+    """How RL checkpoints hold the trainer: ``pieces`` (one file per model-parallel piece; resumes
+    in the layout that wrote it) or ``torch_dist`` (a Megatron-core distributed checkpoint,
+    megarl/stream_train/dist_ckpt.py: resumes on another TP/PP/DP layout, and Megatron-LM reads
+    it; not with virtual pipeline stages or disaggregated placement)."""
+
     def __post_init__(self) -> None:
         from megarl.utils.dataclass_config import check_number
+        if self.checkpoint_format not in ("pieces", "torch_dist"):
+            raise ValueError(f"trainer.checkpoint_format={self.checkpoint_format!r} is invalid; valid choices: "
+                             f"['pieces', 'torch_dist']")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"trainer.dtype={self.dtype!r} is invalid; valid choices: "
                              f"['float32', 'bfloat16', 'float64']")

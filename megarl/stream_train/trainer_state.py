@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.convert import read_meta
 from megarl.models import mcore_mapping, mcore_sharding
+from megarl.stream_train import dist_ckpt
 from megarl.stream_train.model import load_state
 
 
@@ -86,6 +87,21 @@ class TrainerState:
                                      if self._stepped() else None}
         return sd
 
+    def checkpoint_state(self):
+        """What an RL checkpoint holds of this trainer (``trainer.checkpoint_format``): a Megatron
+        distributed checkpoint folder (megarl/stream_train/dist_ckpt.py), which resumes on another
+        TP/PP/DP layout, or :meth:`state_dict` (one file per model-parallel piece, this layout).
+        The folder needs every process to train (Megatron's save is collective over the whole
+        world) and no virtual pipeline stages (untried there)."""
+        if self.cfg.checkpoint_format != "torch_dist":
+            return self.state_dict()
+        if self.dims.vpp > 1 or self.dims.trainer_world_size != dist.get_world_size():
+            raise ValueError(f"trainer.checkpoint_format=torch_dist needs every process to train (colocated placement) "
+                             f"and parallel.trainer_vpp=1; this run has vpp={self.dims.vpp} and "
+                             f"{self.dims.trainer_world_size} of {dist.get_world_size()} processes training: use "
+                             f"trainer.checkpoint_format=pieces")
+        return dist_ckpt.TrainerFolder(self)
+
     def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Copies of the optimizer's fp32 master weights (this rank's shards with the distributed
         optimizer) by model parameter; empty when the weights are their own masters (fp32, fp64)."""
@@ -125,7 +141,12 @@ class TrainerState:
         return total
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next ``train_step`` continues the saved run bitwise."""
+        """Restore :meth:`state_dict` (or, with ``dist_folder`` in ``sd``, the distributed checkpoint
+        folder there, written in any layout); the next ``train_step`` continues the saved run
+        (bitwise in the layout that saved it)."""
+        if "dist_folder" in sd:
+            dist_ckpt.load_trainer(self, sd["dist_folder"])
+            return
         models = sd["model"] if isinstance(sd["model"], list) else [sd["model"]]  # a dict: before vpp
         if len(models) != len(self.models):
             raise ValueError(f"checkpoint holds {len(models)} model chunks per rank; this trainer has vpp="

@@ -9,7 +9,7 @@ import torch
 from megarl.checkpoint.rl_state import load_checkpoint, optimizer_shard_file
 from megarl.config import load_config
 from megarl.stream_train.trainer import Trainer, TrainerConfig
-from megarl.train import RunDirError, check_run_dir
+from megarl.resume import RunDirError, check_run_dir
 
 from .launch import torchrun
 from .test_trainer import make_batch, nll_loss
