@@ -103,7 +103,9 @@ def test_changed_meta_json_is_refused_by_the_cli(converted, capsys):
     from megarl.cli import main
 
     text = (converted / "meta.json").read_text()
-    theta = json.loads(text)["hf_config"]["rope_theta"]
+    hf_config = json.loads(text)["hf_config"]
+    # transformers 5.x writes it inside rope_parameters, 4.x at the top level
+    theta = hf_config.get("rope_parameters", hf_config).get("rope_theta")
     assert text.count(f'"rope_theta": {theta}') == 1
     (converted / "meta.json").write_text(text.replace(f'"rope_theta": {theta}', f'"rope_theta": {theta}1'))
     out = converted.parent / "back"
