@@ -77,26 +77,21 @@ import math
 import numbers
 import os
 import shutil
-import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megarl.rl import sandbox_bwrap
-from megarl.rl.sandbox_boot import BOOTSTRAP, EXIT_FILE_SIZE, EXIT_MEMORY
-from megarl.rl.sandbox_io import DRAIN_GRACE_S, Output, kill_group, pump_to_eof, pump_until_exit
+from megarl.rl.sandbox_boot import EXIT_FILE_SIZE, EXIT_MEMORY
+from megarl.rl.sandbox_spawn import STATUSES, SandboxResult, SandboxUnavailable, memory_group, spawn_and_wait
+from megarl.rl.sandbox_spawn import classify as _classify  # noqa: F401 (tests classify exit codes through it)
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("ok", "error", "timeout", "memory", "file_size", "killed")
-
 _MAIN = "main.py"
-_ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 @dataclass
 class SandboxLimits:
@@ -108,9 +103,15 @@ class SandboxLimits:
     cpu_s: int = 10
     """CPU-seconds per process (RLIMIT_CPU soft limit; SIGKILL one second later)."""
     memory_mb: int = 1024
-    """Address space per process in MiB (RLIMIT_AS). Python itself needs ~30 MiB of it."""
+    """Memory in MiB: the address space of each process (RLIMIT_AS; Python itself needs ~30 MiB
+    of it) and, where a memory cgroup can be made (megarl/rl/sandbox_cgroup.py), the resident
+    memory of all the program's processes together, tmpfs files included."""
     file_size_mb: int = 16
-    """Largest file a process may write, in MiB (RLIMIT_FSIZE)."""
+    """Largest file a process may write, in MiB (RLIMIT_FSIZE); also the size of the private
+    ``/tmp`` and ``/dev/shm`` under bubblewrap."""
+    workdir_mb: int = 64
+    """Under bubblewrap: the size in MiB of the working directory (a private tmpfs), i.e. of all
+    files the program writes there together."""
     max_output_bytes: int = 1 << 20
     """Bytes of stdout and of stderr kept (each); the rest is read and dropped."""
 
@@ -122,39 +123,13 @@ class SandboxLimits:
         _check_int("cpu_s", self.cpu_s, 1, "CPU-seconds")
         _check_int("memory_mb", self.memory_mb, 64, "MiB (the interpreter alone needs ~30 MiB)")
         _check_int("file_size_mb", self.file_size_mb, 0, "MiB")
+        _check_int("workdir_mb", self.workdir_mb, 1, "MiB")
         _check_int("max_output_bytes", self.max_output_bytes, 0, "bytes")
 
 
 def _check_int(name: str, value, minimum: int, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"SandboxLimits.{name} must be an integer >= {minimum} ({unit}), got {value!r}")
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox itself could not start (not something the program did): ``run_python``
-    raises it rather than report a failing program (a ``RewardPool`` counts it as an error)."""
-
-
-@dataclass
-class SandboxResult:
-    """What happened to one program."""
-
-    status: str
-    """One of ``STATUSES``: ok, error, timeout, memory, file_size, killed."""
-    returncode: int | None
-    """Exit code, or minus the signal number; None when the parent killed it at the timeout."""
-    stdout: str
-    """First ``max_output_bytes`` of stdout, decoded as UTF-8 with errors replaced."""
-    stderr: str
-    """First ``max_output_bytes`` of stderr, decoded likewise."""
-    seconds: float
-    """Wall time from spawning the interpreter to its exit (or kill)."""
-    truncated: bool = False
-    """True when stdout or stderr had more than ``max_output_bytes``."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,10 +294,11 @@ def _run(code: str, stdin: str, limits: SandboxLimits, mode: str) -> SandboxResu
     falling back to the hook), "audit-hook" (hook only)."""
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     try:
-        with open(os.path.join(workdir, _MAIN), "w", encoding="utf-8") as f:
+        main = os.path.join(workdir, _MAIN)
+        with open(main, "w", encoding="utf-8") as f:
             f.write(code)
-        with _stdin_file(stdin) as stdin_f:
-            return _spawn_and_wait(workdir, stdin_f, limits, mode)
+        with _stdin_file(stdin) as stdin_f, open(main, "rb") as program, memory_group(limits) as group:
+            return spawn_and_wait(workdir, stdin_f, program.fileno(), group, limits, mode)
     finally:
         _remove_tree(workdir)
 
@@ -338,69 +314,6 @@ def _stdin_file(stdin: str):
         f.write(stdin.encode("utf-8"))
         f.seek(0)
         yield f
-
-
-def _command(limits: SandboxLimits, mode: str, workdir: str) -> list[str]:
-    mb = 1 << 20
-    python = [sys.executable, "-I", "-S", "-B", "-c", BOOTSTRAP, mode,
-              str(limits.memory_mb * mb), str(limits.cpu_s), str(limits.file_size_mb * mb)]
-    if mode != "bwrap":
-        return python
-    bwrap = sandbox_bwrap.find_bwrap()
-    if bwrap is None:
-        raise SandboxUnavailable("bubblewrap (bwrap) is no longer installed; it was when the sandbox was probed")
-    python[0] = sandbox_bwrap.python_executable()
-    return sandbox_bwrap.bwrap_command(bwrap, workdir, limits.file_size_mb * mb) + python
-
-
-def _environment(workdir: str) -> dict[str, str]:
-    return {"PATH": _ENV_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-
-
-def _spawn_and_wait(workdir: str, stdin_f, limits: SandboxLimits, mode: str) -> SandboxResult:
-    start = time.monotonic()
-    proc = subprocess.Popen(_command(limits, mode, workdir), cwd=workdir, env=_environment(workdir), stdin=stdin_f,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-    try:
-        out = Output(limits.max_output_bytes)
-        timed_out = pump_until_exit(proc, out, start + limits.timeout_s)
-        seconds = time.monotonic() - start
-        kill_group(proc.pid)   # timeout, or stragglers after a normal exit
-        pump_to_eof(proc, out, time.monotonic() + DRAIN_GRACE_S)
-        returncode = proc.wait()
-    except BaseException:
-        kill_group(proc.pid)
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        proc.stdout.close()
-        proc.stderr.close()
-    if mode == "bwrap" and not timed_out:
-        if returncode == 1 and out.text(1).startswith("bwrap: ") and os.path.exists(os.path.join(workdir, _MAIN)):
-            # bwrap itself failed (the bootstrap, which deletes main.py before the program runs, never ran):
-            # an infrastructure error, not a failing program, so it must not read as reward 0.
-            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {out.text(1).strip()}")
-        returncode = sandbox_bwrap.exit_status(returncode)
-    return SandboxResult(status=_classify(returncode, timed_out), returncode=None if timed_out else returncode,
-                         stdout=out.text(0), stderr=out.text(1),
-                         seconds=seconds, truncated=out.truncated)
-
-
-def _classify(returncode: int, timed_out: bool) -> str:
-    if timed_out:
-        return "timeout"
-    if returncode == 0:
-        return "ok"
-    if returncode == EXIT_MEMORY:
-        return "memory"
-    if returncode == EXIT_FILE_SIZE or returncode == -signal.SIGXFSZ:
-        return "file_size"
-    if returncode == -signal.SIGXCPU:
-        return "timeout"
-    if returncode < 0:
-        return "killed"
-    return "error"
 
 
 def _remove_tree(path: str) -> None:
