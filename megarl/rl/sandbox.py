@@ -12,8 +12,10 @@ Containment (``sandbox_containment()``, probed once per process):
 
 - ``"bwrap"`` (bubblewrap installed and working: Debian package ``bubblewrap``): the program runs
   in new user, mount, PID, network, IPC and UTS namespaces (megarl/rl/sandbox_bwrap.py says
-  exactly what it sees). It cannot write outside its temporary folder (read-only root, a private
-  size-limited ``/tmp``), cannot read the trainer's files (only ``/usr`` and the Python
+  exactly what it sees). It cannot write outside its temporary folder (read-only root; its folder,
+  ``/tmp`` and ``/dev/shm`` are private size-limited tmpfs), cannot signal or connect to the
+  trainer (its own PID, network and IPC namespaces; no host path holds a socket it could reach),
+  cannot read the trainer's files (only ``/usr`` and the Python
   installation are mounted: no ``/etc/shadow``, home, run directory or virtualenv), and no
   descendant survives it (when its PID namespace's init dies the kernel kills every process in
   it, ``setsid()`` grandchildren included).
@@ -29,7 +31,8 @@ What each part guards in every mode:
 - fresh interpreter ``python -I -S -B``: no user site, no ``PYTHON*`` variables, no
   current directory on ``sys.path``, no site-packages (stdlib only), no ``.pyc`` writes.
 - fresh temporary working directory, deleted afterwards (``HOME`` and ``TMPDIR`` point there too),
-  so files the program writes do not pile up or collide between concurrent runs.
+  so files the program writes do not pile up or collide between concurrent runs. Under bwrap it
+  is a tmpfs of ``workdir_mb`` (all its files together); without, files are capped one by one.
 - minimal environment (``PATH``, locale, ``HOME``/``TMPDIR``; bwrap adds ``PWD``): the trainer's
   tokens and keys are not inherited.
 - ``SandboxLimits.timeout_s`` (wall clock, enforced by the parent): infinite loops, sleeps and
@@ -39,7 +42,13 @@ What each part guards in every mode:
   outlives the call, except, without bwrap, a grandchild that left the group with ``setsid()``.
 - ``cpu_s`` (RLIMIT_CPU): CPU burnt by one process, a backstop for the wall clock (SIGXCPU).
 - ``memory_mb`` (RLIMIT_AS, address space): ``bytearray(10 * 1024**3)`` fails with MemoryError
-  instead of pushing the node into swap or the OOM killer. It is per process, not per group.
+  instead of pushing the node into swap or the OOM killer. RLIMIT_AS is per process; where a
+  memory cgroup can be made (megarl/rl/sandbox_cgroup.py: root or a delegated cgroup) the same
+  ``memory_mb`` also caps the resident memory of all the program's processes together, tmpfs
+  files included (three children of 700 MB do not fit 1 GB): the kernel's OOM killer ends them
+  and the result is ``memory``. Where none can be made the cap is per process only (``make
+  sandbox`` says which). The cgroup also catches, without bwrap, a ``setsid()`` grandchild: every
+  process left in it is killed when the call ends.
 - ``file_size_mb`` (RLIMIT_FSIZE): the largest file any process may write (Python ignores
   SIGXFSZ, so a write past it fails with EFBIG). Under bwrap it also caps the private ``/tmp``
   and ``/dev/shm`` (each a tmpfs of that size: they live in memory).
@@ -51,12 +60,13 @@ What each part guards in every mode:
 Not limited: the number of processes. RLIMIT_NPROC counts *every* task (threads included) of
 the real user id across the machine, so a cap low enough to stop a fork bomb would make the
 sandbox fail to start beside a trainer with hundreds of threads, and root ignores it anyway;
-the wall-clock kill of the process group (or PID namespace) is what ends a fork bomb.
+the memory cgroup (each process costs memory) and the wall-clock kill of the process group (or
+PID namespace) are what end a fork bomb.
 
 How a result is classified (``SandboxResult.status``):
 ``ok`` exit 0; ``error`` other exit code (exception, failed assert, ``sys.exit(1)``);
 ``timeout`` killed at the wall-clock limit, or SIGXCPU at the CPU limit; ``memory`` an uncaught
-MemoryError; ``file_size`` an uncaught EFBIG OSError or SIGXFSZ (a non-Python grandchild);
+MemoryError, or a process killed by its memory cgroup's OOM killer; ``file_size`` an uncaught EFBIG OSError or SIGXFSZ (a non-Python grandchild);
 ``killed`` any other signal (SIGSEGV, SIGKILL from the OOM killer or the hard CPU limit, ...).
 The memory and file-size cases are reported by the bootstrap through reserved exit codes
 (``EXIT_MEMORY``, ``EXIT_FILE_SIZE``), so a program that exits with those codes on purpose is

@@ -18,6 +18,7 @@ exec ...'``, so the interpreter and everything it forks are charged from their f
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -26,6 +27,7 @@ import time
 
 _ROOT = "/sys/fs/cgroup"
 _ENTER = 'echo $$ > "$0" && exec "$@"'
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _probed: dict[str, object] = {}
 
@@ -82,9 +84,10 @@ class Group:
                 return
             except FileNotFoundError:
                 return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
+            except OSError as exc:
+                if time.monotonic() > deadline:   # never fail the call for it: say so, leave it
+                    log.warning("megarl sandbox: cannot remove the memory cgroup %s: %s", self.path, exc)
+                    return
                 time.sleep(0.02)
 
 
@@ -147,6 +150,9 @@ def available() -> tuple[str, int] | str:
     with _lock:
         if "result" not in _probed:
             _probed["result"] = _probe()
+            if isinstance(_probed["result"], str):
+                log.warning("megarl sandbox: %s: memory is capped per process (RLIMIT_AS), not for a "
+                            "program's processes together", _probed["result"])
         return _probed["result"]
 
 
