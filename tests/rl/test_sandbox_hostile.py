@@ -31,15 +31,16 @@ _ESCAPES = {
     "read_shadow": "assert open('/etc/shadow').read()",
     "unix_socket": ("import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({sock!r})\n"
                     "s.sendall(b'exfiltrated')"),
-    "kill_parent": ("import os, signal, time\nparent = os.getppid()\nos.kill(parent, signal.SIGKILL)\n"
-                    "time.sleep(0.5)\nassert os.getppid() != parent"),
     "setsid_grandchild": ("import os, time\n"
                           "if os.fork() == 0:\n    os.setsid()\n    time.sleep(2)\n"
                           "    open({late!r}, 'w').write('escaped')\n    os._exit(0)\n"
                           "assert os.path.isdir({run!r})"),
+    # last: where it escapes, the scorer dies and the scores printed before it show the rest
+    "kill_parent": ("import os, signal, time\nparent = os.getppid()\nos.kill(parent, signal.SIGKILL)\n"
+                    "time.sleep(0.5)\nassert os.getppid() != parent"),
 }
 
-# the stand-in trainer: scores every program with both rewards, prints the scores as JSON
+# the stand-in trainer: scores every program with both rewards, one JSON line per program
 _SCORER = """
 import json, sys
 from megarl.rl.humaneval import humaneval_reward, humaneval_tests
@@ -49,11 +50,10 @@ programs = json.loads(sys.argv[1])
 row = {"task_id": "HumanEval/0", "entry_point": "add", "prompt": "def add(a, b):\\n    \\"\\"\\"a + b\\"\\"\\"\\n",
        "test": "def check(candidate):\\n    assert candidate(2, 3) == 5\\n"}
 problem = Problem(uid=0, prompt=row["prompt"], answer=humaneval_tests(row))
-scores = {}
 for name, program in programs.items():
     response = f"```python\\n{program}```"
-    scores[name] = [python_tests_reward(response, "assert add(2, 3) == 5"), humaneval_reward(problem, response)]
-print(json.dumps(scores), flush=True)
+    scores = [python_tests_reward(response, "assert add(2, 3) == 5"), humaneval_reward(problem, response)]
+    print(json.dumps([name, scores]), flush=True)
 """
 
 
@@ -74,7 +74,7 @@ def test_hostile_programs_score_zero_touch_nothing_and_leave_the_trainer_alive(t
     fill = {"run": str(run), "sock": str(sock_path), "late": str(late)}
     programs = {name: escape.format(**fill) + "\n" + _SOLUTION for name, escape in _ESCAPES.items()}
     # a correct program scores 1 by both rewards: a 0 below is the escape failing, not the harness
-    programs["control"] = _SOLUTION
+    programs = {"control": _SOLUTION, **programs}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(sock_path))
         listener.listen(8)
@@ -82,8 +82,8 @@ def test_hostile_programs_score_zero_touch_nothing_and_leave_the_trainer_alive(t
         proc = subprocess.run([sys.executable, "-c", _SCORER, json.dumps(programs)], capture_output=True,
                               text=True, timeout=300, cwd=tmp_path,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-        assert proc.returncode == 0, f"the scoring process died (rc {proc.returncode}): {proc.stderr[-2000:]}"
-        scores = json.loads(proc.stdout.strip().splitlines()[-1])
+        scores = dict(json.loads(line) for line in proc.stdout.splitlines())
+        assert proc.returncode == 0, f"the scoring process died (rc {proc.returncode}) after {scores}"
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()   # nothing connected
