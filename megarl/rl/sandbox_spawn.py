@@ -82,8 +82,10 @@ def _environment(workdir: str) -> dict[str, str]:
     return {"PATH": _ENV_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
-def spawn_and_wait(workdir: str, stdin_f, program_fd: int, group, limits,
-                    mode: str) -> SandboxResult:
+def spawn_and_wait(workdir: str, stdin_f, program_fd: int, group, limits, mode: str) -> SandboxResult:
+    """Run the program (``main.py`` in ``workdir``, also readable from ``program_fd``) under
+    ``limits`` (a ``SandboxLimits``) in containment ``mode`` and memory cgroup ``group`` (or
+    None), and say what happened; ``SandboxUnavailable`` when the sandbox itself did not start."""
     started_r, started_w = os.pipe()
     try:
         argv = _command(limits, mode, workdir, program_fd, started_w)
@@ -141,6 +143,7 @@ def _read_started(fd: int) -> bool:
 
 
 def classify(returncode: int, timed_out: bool) -> str:
+    """The ``SandboxResult.status`` of an exit code (minus the signal for a signal death)."""
     if timed_out:
         return "timeout"
     if returncode == 0:

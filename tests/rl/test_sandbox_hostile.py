@@ -3,8 +3,7 @@
 each one scores 0, changes nothing outside its folder, and leaves the scoring process alive.
 
 Each program is a correct solution plus one escape whose success it asserts, so a score of 1
-would mean the escape worked (docs/design.md's sandbox contract; megarl/rl/sandbox.py says what
-the bubblewrap backend contains). The rewards run in a child Python process standing in for the
+would mean the escape worked (megarl/rl/sandbox.py says what the bubblewrap backend contains). The rewards run in a child Python process standing in for the
 trainer, so a program that kills its parent ends that child, not pytest."""
 import json
 import os
