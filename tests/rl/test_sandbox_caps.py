@@ -2,6 +2,7 @@
 the memory of all its processes together (a memory cgroup, megarl/rl/sandbox_cgroup.py) and the
 size of everything it writes in its working directory (a tmpfs under bubblewrap)."""
 import os
+import time
 
 import pytest
 
@@ -71,3 +72,17 @@ def test_a_program_that_imitates_bwrap_failing_is_a_failing_program():
 def test_limits_validation_of_workdir_mb():
     with pytest.raises(ValueError, match="SandboxLimits.workdir_mb"):
         SandboxLimits(workdir_mb=0)
+
+
+def test_without_bwrap_the_memory_cgroup_still_ends_a_setsid_grandchild(tmp_path):
+    # no PID namespace here: the grandchild leaves the process group, but not the cgroup
+    from megarl.rl import sandbox as sb
+    if isinstance(sandbox_cgroup.available(), str):
+        pytest.skip("no memory cgroup here")
+    late = tmp_path / "late"
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
+            f"    open({str(late)!r}, 'w').write('escaped')\n    os._exit(0)\nprint('started')")
+    res = sb._run(code, "", SandboxLimits(), mode="audit-hook")
+    assert res.ok and res.stdout == "started\n", res.stderr
+    time.sleep(2.5)
+    assert not late.exists()
