@@ -22,7 +22,8 @@ Containment (``sandbox_containment()``, probed once per process):
 - ``"netns"`` / ``"audit-hook"`` (no usable bwrap): the program runs as the trainer's user with
   the limits below and network isolation only (``sandbox_network_isolation``). It CAN write
   anywhere the trainer can, read any file the trainer can, and a grandchild that calls
-  ``setsid()`` leaves the process group and outlives the call; run as root, it can lift the
+  ``setsid()`` leaves the process group and outlives the call (unless a memory cgroup holds
+  it: ``memory_mb`` below); run as root, it can lift the
   limits root applies to itself (``netns`` takes its capabilities away). One warning says so at
   the first probe; install bubblewrap to close these.
 
