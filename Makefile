@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: venv vllm run smoke test clean smollm2
+.PHONY: venv vllm run smoke test clean smollm2 sandbox
 
 # Every C++ extension source (setup.py builds each into megarl/): a changed one rebuilds the venv's install.
 $(VENV)/.installed: requirements.txt constraints.txt setup.py $(wildcard csrc/*.cpp)
@@ -30,6 +30,21 @@ $(VENV)/.vllm: $(VENV)/.installed constraints.txt
 	touch $@
 
 vllm: $(VENV)/.vllm
+
+# What code rewards need (megarl/rl/sandbox.py): bubblewrap, installed with apt-get when missing (as
+# root, else through sudo), then megarl's own probe must see it contain a program (user namespaces
+# can be disabled even where bwrap is installed). It also says whether memory is capped per program
+# (a memory cgroup) or per process only.
+sandbox: venv
+	@command -v bwrap >/dev/null || { \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
+	@$(PY) -c "import sys; from megarl.rl import sandbox, sandbox_cgroup; \
+	why = sandbox.containment_problem(); \
+	why and sys.exit(f'megarl: error: the reward sandbox cannot contain programs here: {why}'); \
+	mem = sandbox_cgroup.available(); \
+	print('megarl sandbox: bubblewrap contains programs here; memory capped', \
+	      f'per process only ({mem})' if isinstance(mem, str) else 'per program (memory cgroup)')"
 
 run: venv
 	$(VENV)/bin/megarl train --config $(CONFIG) --run-dir $(RUN_DIR)

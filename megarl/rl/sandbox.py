@@ -12,15 +12,18 @@ Containment (``sandbox_containment()``, probed once per process):
 
 - ``"bwrap"`` (bubblewrap installed and working: Debian package ``bubblewrap``): the program runs
   in new user, mount, PID, network, IPC and UTS namespaces (megarl/rl/sandbox_bwrap.py says
-  exactly what it sees). It cannot write outside its temporary folder (read-only root, a private
-  size-limited ``/tmp``), cannot read the trainer's files (only ``/usr`` and the Python
+  exactly what it sees). It cannot write outside its temporary folder (read-only root; its folder,
+  ``/tmp`` and ``/dev/shm`` are private size-limited tmpfs), cannot signal or connect to the
+  trainer (its own PID, network and IPC namespaces; no host path holds a socket it could reach),
+  cannot read the trainer's files (only ``/usr`` and the Python
   installation are mounted: no ``/etc/shadow``, home, run directory or virtualenv), and no
   descendant survives it (when its PID namespace's init dies the kernel kills every process in
   it, ``setsid()`` grandchildren included).
 - ``"netns"`` / ``"audit-hook"`` (no usable bwrap): the program runs as the trainer's user with
   the limits below and network isolation only (``sandbox_network_isolation``). It CAN write
   anywhere the trainer can, read any file the trainer can, and a grandchild that calls
-  ``setsid()`` leaves the process group and outlives the call; run as root, it can lift the
+  ``setsid()`` leaves the process group and outlives the call (unless a memory cgroup holds
+  it: ``memory_mb`` below); run as root, it can lift the
   limits root applies to itself (``netns`` takes its capabilities away). One warning says so at
   the first probe; install bubblewrap to close these.
 
@@ -29,7 +32,8 @@ What each part guards in every mode:
 - fresh interpreter ``python -I -S -B``: no user site, no ``PYTHON*`` variables, no
   current directory on ``sys.path``, no site-packages (stdlib only), no ``.pyc`` writes.
 - fresh temporary working directory, deleted afterwards (``HOME`` and ``TMPDIR`` point there too),
-  so files the program writes do not pile up or collide between concurrent runs.
+  so files the program writes do not pile up or collide between concurrent runs. Under bwrap it
+  is a tmpfs of ``workdir_mb`` (all its files together); without, files are capped one by one.
 - minimal environment (``PATH``, locale, ``HOME``/``TMPDIR``; bwrap adds ``PWD``): the trainer's
   tokens and keys are not inherited.
 - ``SandboxLimits.timeout_s`` (wall clock, enforced by the parent): infinite loops, sleeps and
@@ -39,7 +43,13 @@ What each part guards in every mode:
   outlives the call, except, without bwrap, a grandchild that left the group with ``setsid()``.
 - ``cpu_s`` (RLIMIT_CPU): CPU burnt by one process, a backstop for the wall clock (SIGXCPU).
 - ``memory_mb`` (RLIMIT_AS, address space): ``bytearray(10 * 1024**3)`` fails with MemoryError
-  instead of pushing the node into swap or the OOM killer. It is per process, not per group.
+  instead of pushing the node into swap or the OOM killer. RLIMIT_AS is per process; where a
+  memory cgroup can be made (megarl/rl/sandbox_cgroup.py: root or a delegated cgroup) the same
+  ``memory_mb`` also caps the resident memory of all the program's processes together, tmpfs
+  files included (three children of 700 MB do not fit 1 GB): the kernel's OOM killer ends them
+  and the result is ``memory``. Where none can be made the cap is per process only (``make
+  sandbox`` says which). The cgroup also catches, without bwrap, a ``setsid()`` grandchild: every
+  process left in it is killed when the call ends.
 - ``file_size_mb`` (RLIMIT_FSIZE): the largest file any process may write (Python ignores
   SIGXFSZ, so a write past it fails with EFBIG). Under bwrap it also caps the private ``/tmp``
   and ``/dev/shm`` (each a tmpfs of that size: they live in memory).
@@ -51,12 +61,13 @@ What each part guards in every mode:
 Not limited: the number of processes. RLIMIT_NPROC counts *every* task (threads included) of
 the real user id across the machine, so a cap low enough to stop a fork bomb would make the
 sandbox fail to start beside a trainer with hundreds of threads, and root ignores it anyway;
-the wall-clock kill of the process group (or PID namespace) is what ends a fork bomb.
+the memory cgroup (each process costs memory) and the wall-clock kill of the process group (or
+PID namespace) are what end a fork bomb.
 
 How a result is classified (``SandboxResult.status``):
 ``ok`` exit 0; ``error`` other exit code (exception, failed assert, ``sys.exit(1)``);
 ``timeout`` killed at the wall-clock limit, or SIGXCPU at the CPU limit; ``memory`` an uncaught
-MemoryError; ``file_size`` an uncaught EFBIG OSError or SIGXFSZ (a non-Python grandchild);
+MemoryError, or a process killed by its memory cgroup's OOM killer; ``file_size`` an uncaught EFBIG OSError or SIGXFSZ (a non-Python grandchild);
 ``killed`` any other signal (SIGSEGV, SIGKILL from the OOM killer or the hard CPU limit, ...).
 The memory and file-size cases are reported by the bootstrap through reserved exit codes
 (``EXIT_MEMORY``, ``EXIT_FILE_SIZE``), so a program that exits with those codes on purpose is
@@ -77,26 +88,21 @@ import math
 import numbers
 import os
 import shutil
-import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megarl.rl import sandbox_bwrap
-from megarl.rl.sandbox_boot import BOOTSTRAP, EXIT_FILE_SIZE, EXIT_MEMORY
-from megarl.rl.sandbox_io import DRAIN_GRACE_S, Output, kill_group, pump_to_eof, pump_until_exit
+from megarl.rl.sandbox_boot import EXIT_FILE_SIZE, EXIT_MEMORY
+from megarl.rl.sandbox_spawn import STATUSES, SandboxResult, SandboxUnavailable, memory_group, spawn_and_wait
+from megarl.rl.sandbox_spawn import classify as _classify  # noqa: F401 (tests classify exit codes through it)
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("ok", "error", "timeout", "memory", "file_size", "killed")
-
 _MAIN = "main.py"
-_ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 @dataclass
 class SandboxLimits:
@@ -108,9 +114,15 @@ class SandboxLimits:
     cpu_s: int = 10
     """CPU-seconds per process (RLIMIT_CPU soft limit; SIGKILL one second later)."""
     memory_mb: int = 1024
-    """Address space per process in MiB (RLIMIT_AS). Python itself needs ~30 MiB of it."""
+    """Memory in MiB: the address space of each process (RLIMIT_AS; Python itself needs ~30 MiB
+    of it) and, where a memory cgroup can be made (megarl/rl/sandbox_cgroup.py), the resident
+    memory of all the program's processes together, tmpfs files included."""
     file_size_mb: int = 16
-    """Largest file a process may write, in MiB (RLIMIT_FSIZE)."""
+    """Largest file a process may write, in MiB (RLIMIT_FSIZE); also the size of the private
+    ``/tmp`` and ``/dev/shm`` under bubblewrap."""
+    workdir_mb: int = 64
+    """Under bubblewrap: the size in MiB of the working directory (a private tmpfs), i.e. of all
+    files the program writes there together."""
     max_output_bytes: int = 1 << 20
     """Bytes of stdout and of stderr kept (each); the rest is read and dropped."""
 
@@ -122,39 +134,13 @@ class SandboxLimits:
         _check_int("cpu_s", self.cpu_s, 1, "CPU-seconds")
         _check_int("memory_mb", self.memory_mb, 64, "MiB (the interpreter alone needs ~30 MiB)")
         _check_int("file_size_mb", self.file_size_mb, 0, "MiB")
+        _check_int("workdir_mb", self.workdir_mb, 1, "MiB")
         _check_int("max_output_bytes", self.max_output_bytes, 0, "bytes")
 
 
 def _check_int(name: str, value, minimum: int, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"SandboxLimits.{name} must be an integer >= {minimum} ({unit}), got {value!r}")
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox itself could not start (not something the program did): ``run_python``
-    raises it rather than report a failing program (a ``RewardPool`` counts it as an error)."""
-
-
-@dataclass
-class SandboxResult:
-    """What happened to one program."""
-
-    status: str
-    """One of ``STATUSES``: ok, error, timeout, memory, file_size, killed."""
-    returncode: int | None
-    """Exit code, or minus the signal number; None when the parent killed it at the timeout."""
-    stdout: str
-    """First ``max_output_bytes`` of stdout, decoded as UTF-8 with errors replaced."""
-    stderr: str
-    """First ``max_output_bytes`` of stderr, decoded likewise."""
-    seconds: float
-    """Wall time from spawning the interpreter to its exit (or kill)."""
-    truncated: bool = False
-    """True when stdout or stderr had more than ``max_output_bytes``."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,10 +305,11 @@ def _run(code: str, stdin: str, limits: SandboxLimits, mode: str) -> SandboxResu
     falling back to the hook), "audit-hook" (hook only)."""
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     try:
-        with open(os.path.join(workdir, _MAIN), "w", encoding="utf-8") as f:
+        main = os.path.join(workdir, _MAIN)
+        with open(main, "w", encoding="utf-8") as f:
             f.write(code)
-        with _stdin_file(stdin) as stdin_f:
-            return _spawn_and_wait(workdir, stdin_f, limits, mode)
+        with _stdin_file(stdin) as stdin_f, open(main, "rb") as program, memory_group(limits) as group:
+            return spawn_and_wait(workdir, stdin_f, program.fileno(), group, limits, mode)
     finally:
         _remove_tree(workdir)
 
@@ -338,69 +325,6 @@ def _stdin_file(stdin: str):
         f.write(stdin.encode("utf-8"))
         f.seek(0)
         yield f
-
-
-def _command(limits: SandboxLimits, mode: str, workdir: str) -> list[str]:
-    mb = 1 << 20
-    python = [sys.executable, "-I", "-S", "-B", "-c", BOOTSTRAP, mode,
-              str(limits.memory_mb * mb), str(limits.cpu_s), str(limits.file_size_mb * mb)]
-    if mode != "bwrap":
-        return python
-    bwrap = sandbox_bwrap.find_bwrap()
-    if bwrap is None:
-        raise SandboxUnavailable("bubblewrap (bwrap) is no longer installed; it was when the sandbox was probed")
-    python[0] = sandbox_bwrap.python_executable()
-    return sandbox_bwrap.bwrap_command(bwrap, workdir, limits.file_size_mb * mb) + python
-
-
-def _environment(workdir: str) -> dict[str, str]:
-    return {"PATH": _ENV_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-
-
-def _spawn_and_wait(workdir: str, stdin_f, limits: SandboxLimits, mode: str) -> SandboxResult:
-    start = time.monotonic()
-    proc = subprocess.Popen(_command(limits, mode, workdir), cwd=workdir, env=_environment(workdir), stdin=stdin_f,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-    try:
-        out = Output(limits.max_output_bytes)
-        timed_out = pump_until_exit(proc, out, start + limits.timeout_s)
-        seconds = time.monotonic() - start
-        kill_group(proc.pid)   # timeout, or stragglers after a normal exit
-        pump_to_eof(proc, out, time.monotonic() + DRAIN_GRACE_S)
-        returncode = proc.wait()
-    except BaseException:
-        kill_group(proc.pid)
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        proc.stdout.close()
-        proc.stderr.close()
-    if mode == "bwrap" and not timed_out:
-        if returncode == 1 and out.text(1).startswith("bwrap: ") and os.path.exists(os.path.join(workdir, _MAIN)):
-            # bwrap itself failed (the bootstrap, which deletes main.py before the program runs, never ran):
-            # an infrastructure error, not a failing program, so it must not read as reward 0.
-            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {out.text(1).strip()}")
-        returncode = sandbox_bwrap.exit_status(returncode)
-    return SandboxResult(status=_classify(returncode, timed_out), returncode=None if timed_out else returncode,
-                         stdout=out.text(0), stderr=out.text(1),
-                         seconds=seconds, truncated=out.truncated)
-
-
-def _classify(returncode: int, timed_out: bool) -> str:
-    if timed_out:
-        return "timeout"
-    if returncode == 0:
-        return "ok"
-    if returncode == EXIT_MEMORY:
-        return "memory"
-    if returncode == EXIT_FILE_SIZE or returncode == -signal.SIGXFSZ:
-        return "file_size"
-    if returncode == -signal.SIGXCPU:
-        return "timeout"
-    if returncode < 0:
-        return "killed"
-    return "error"
 
 
 def _remove_tree(path: str) -> None:

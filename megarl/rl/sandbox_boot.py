@@ -1,9 +1,11 @@
 """The program that runs first in a sandboxed child (megarl/rl/sandbox.py): network isolation
 where bubblewrap did not already provide it, resource limits, then the model-written program.
 
-A string, run as ``python -I -S -B -c BOOTSTRAP mode mem cpu fsize``: it executes in a fresh
-interpreter, so it may use only the stdlib and must not leave names the program could collide
-with.
+A string, run as ``python -I -S -B -c BOOTSTRAP mode mem cpu fsize started_fd``: it executes in
+a fresh interpreter, so it may use only the stdlib and must not leave names the program could
+collide with. Its first act is to write one byte to ``started_fd`` and close it: the parent then
+knows the sandbox started, so a failure before that (bubblewrap's set-up, the cgroup) is the
+sandbox's, not a program's, whatever the program later prints or exits with.
 """
 
 EXIT_MEMORY = 211
@@ -11,7 +13,7 @@ EXIT_MEMORY = 211
 EXIT_FILE_SIZE = 212
 """Exit code the bootstrap uses for an uncaught OSError(EFBIG) (write past RLIMIT_FSIZE)."""
 
-# Runs first in the child (``python -I -S -B -c _BOOTSTRAP mode mem cpu fsize``): network
+# Runs first in the child (``python -I -S -B -c _BOOTSTRAP mode mem cpu fsize started_fd``): network
 # isolation (mode "bwrap": already done by bubblewrap's namespaces), resource limits, then the
 # program from main.py as ``__main__``. Kept to the stdlib and free of names the program could
 # collide with (it runs in a fresh module namespace).
@@ -19,7 +21,9 @@ BOOTSTRAP = r'''
 import sys
 def _megarl_boot():
     import errno, linecache, os, resource, traceback, types
-    mode, mem, cpu, fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    mode, mem, cpu, fsize, started = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    os.write(started, b"1")
+    os.close(started)
     net = "bwrap" if mode == "bwrap" else None
     if mode == "netns":
         try:

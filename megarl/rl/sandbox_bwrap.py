@@ -14,9 +14,12 @@ What the program sees (everything else of the host does not exist for it):
   behind an empty read-only folder (stdlib only, as ``-S`` intends). The trainer's virtualenv,
   home, run directory, ``/etc`` (``/etc/shadow``, ``/etc/passwd``), ``/root``, ``/home``, ``/work``
   are absent.
-- its working directory (the host temporary folder ``run_python`` made, bound read-write at the
-  same path), a fresh ``/tmp`` and ``/dev/shm`` (private tmpfs of at most ``scratch_bytes`` each,
-  gone when the program ends); the root and ``/dev`` are read-only.
+- its working directory: a private tmpfs of at most ``workdir_bytes`` at the path of the host
+  temporary folder ``run_python`` made (which it never sees), holding a copy of ``main.py``;
+  a fresh ``/tmp`` and ``/dev/shm`` (private tmpfs of at most ``scratch_bytes`` each); all three
+  gone when the program ends, so everything it writes is at most ``workdir_bytes + 2 *
+  scratch_bytes``, in memory (charged to its memory cgroup where it has one). The root and
+  ``/dev`` are read-only.
 
 Older bubblewrap (< 0.8: no ``--disable-userns``; < 0.5: no ``--size``) still contains the program;
 it only loses that option's part (nested user namespaces, writable ``/tmp``).
@@ -110,18 +113,22 @@ def _site_packages() -> list[str]:
     return sorted(p for p in paths if os.path.isdir(p) and any(_under(os.path.realpath(p), r) for r in bound))
 
 
-def bwrap_command(bwrap: str, workdir: str, scratch_bytes: int) -> list[str]:
-    """``bwrap`` arguments up to and including ``--`` for a program working in ``workdir`` (bound
-    read-write at the same path); ``/tmp`` and ``/dev/shm`` are private tmpfs of ``scratch_bytes``
-    each (tmpfs size 0 would mean unlimited: at least one page). A bwrap without ``--size``
-    cannot cap them: they stay read-only instead (``TMPDIR`` points at ``workdir`` anyway)."""
-    scratch = []
+def bwrap_command(bwrap: str, workdir: str, program_fd: int, workdir_bytes: int, scratch_bytes: int) -> list[str]:
+    """``bwrap`` arguments up to and including ``--`` for a program working in ``workdir``: a
+    private tmpfs of ``workdir_bytes`` at that path, with ``main.py`` copied in from
+    ``program_fd``; ``/tmp`` and ``/dev/shm`` are private tmpfs of ``scratch_bytes`` each (tmpfs
+    size 0 would mean unlimited: at least one page). A bwrap without ``--size`` cannot cap them:
+    ``/tmp`` and ``/dev/shm`` stay read-only and the working directory is the host folder, bound
+    read-write (capped per file only)."""
+    def size(n: int) -> str:
+        return str(max(int(n), 4096))
     if supports(bwrap, "--size"):
-        size = str(max(int(scratch_bytes), 4096))
-        scratch = ["--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp"]
+        scratch = ["--size", size(scratch_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                   "--size", size(scratch_bytes), "--tmpfs", "/tmp",
+                   "--size", size(workdir_bytes), "--tmpfs", workdir, "--file", str(program_fd), f"{workdir}/main.py"]
     else:
-        scratch = ["--remount-ro", "/dev"]
-    return [bwrap, *_static_args(), *scratch, "--bind", workdir, workdir, "--chdir", workdir, "--remount-ro", "/", "--"]
+        scratch = ["--remount-ro", "/dev", "--bind", workdir, workdir]
+    return [bwrap, *_static_args(), *scratch, "--chdir", workdir, "--remount-ro", "/", "--"]
 
 
 def exit_status(returncode: int) -> int:
