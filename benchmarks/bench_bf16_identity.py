@@ -1,4 +1,4 @@
-"""Token identity of speculative vs plain decoding in bf16 on the real model (issue 23 item 4):
+"""Token identity of speculative vs plain decoding in bf16 on the real model:
 mismatched responses per 10k tokens, and where each one diverges.
 
 For each of ``--steps`` batches of a config's prompts (its chat template, task, group size,

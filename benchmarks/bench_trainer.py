@@ -1,4 +1,4 @@
-"""Trainer speed per real token (issue 23 item 2): Megatron-core trainer vs the HF model, and the
+"""Trainer speed per real token: Megatron-core trainer vs the HF model, and the
 GRPO step before/after (old-logprob forward, padding, token-budget micro-batches).
 
 One synthetic GRPO batch: ``--rows`` rows, each a ``--prompt-len``-token prompt and a long-tailed

@@ -1,4 +1,4 @@
-"""How far would branch drafts go? A probe for issue 23 item 3 (docs/benchmarks.md, "Divergences of
+"""How far would branch drafts go? A probe (docs/benchmarks.md, "Divergences of
 a response from the previous policy").
 
 A bubble draft of step t is the response the previous policy (step t-1's weights) samples under

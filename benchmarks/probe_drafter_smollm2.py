@@ -1,5 +1,5 @@
 """Can the learned EAGLE drafter (megarl/spec/drafter.py) draft for a real model at T=1? A probe for
-issue 23 item 3 (docs/benchmarks.md, "Learned drafter on SmolLM2").
+speculation at T=1 (docs/benchmarks.md, "Learned drafter on SmolLM2").
 
 The policy is fixed (the config's initial weights): what is measured is how well a drafter trained
 on that policy's own rollouts drafts for it on prompts it has not seen, and what that buys in

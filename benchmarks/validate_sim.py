@@ -1,4 +1,4 @@
-"""Validate the simulator against measured CPU multi-process runs (issue 8 item 4).
+"""Validate the simulator against measured CPU multi-process runs.
 
     .venv/bin/python -m megarl.cli bench schedule --config configs/tiny.yaml --nproc N --tail --ablations --speed-ref 5
         --work-dir D --json D.json

@@ -41,7 +41,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def assert_weights_change_every_step(metrics: list[dict]) -> None:
     """Every step of ``metrics`` updated the policy: a nonzero gradient and a new weight checksum
-    (a run whose steps change nothing makes every resume comparison vacuous, issue 24 item 8)."""
+    (a run whose steps change nothing makes every resume comparison vacuous)."""
     sums = [m["weight_checksum"] for m in metrics]
     assert all(m["grad_norm"] > 0 for m in metrics), [(m["step"], m["grad_norm"]) for m in metrics]
     assert len(set(sums)) == len(sums), f"a step left the weights unchanged: {sums}"

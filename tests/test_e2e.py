@@ -77,7 +77,7 @@ def test_resume_reproduces_next_steps_exactly(smoke_run, tmp_path):
 
 
 def test_tensorboard_events_equal_metrics_and_report_draws_curves(smoke_run, tmp_path):
-    """Issue 22: the run's TensorBoard event files, read with TensorBoard's own reader, hold every
+    """The run's TensorBoard event files, read with TensorBoard's own reader, hold every
     numeric metric of metrics.jsonl at its step with the same value (TensorBoard stores float32),
     one point per step; ``megarl report`` draws the metric curves as PNGs."""
     import numpy as np

@@ -1,4 +1,4 @@
-"""Issue 24's faults, tried on the real CLI: kill -9 at seeded moments, a kill inside a checkpoint
+"""Faults, tried on the real CLI: kill -9 at seeded moments, a kill inside a checkpoint
 write, a killed torchrun worker, a full disk, torn JSONL lines, two runs on one directory. Each
 ends, after ``--resume``, bitwise where the uninterrupted run of configs/smoke.yaml ended
 (``smoke_run``, tests/conftest.py), whose steps all change the weights, so a resume that

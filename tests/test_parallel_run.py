@@ -46,7 +46,7 @@ LAYOUTS = {
     # ... with the paged KV cache (blocks, a group's samples sharing their prompt's blocks): a whole run's tokens
     "dp4_np8_rr_paged": ("task.num_prompts=16,rollout.prompts_per_step=8,rollout.placement=round_robin,"
                          "rollout.kv_cache=paged", "single_np8"),
-    # Issue 6's exactness: length placement + bubble work (pre-generated bubble drafts used by the next step's
+    # Exactness (docs/design.md §1): length placement + bubble work (pre-generated bubble drafts used by the next step's
     # speculation; stream training of finished groups in the idle replicas) vs. none: same samples, same weights.
     "dp4_np8_bubble_stream": (NP8 + ",rollout.placement=length,stream_train=true," + BUBBLE, "single_np8"),
     # Interleaved 1F1B: 4 layers in 4 pipeline stages, 2 model chunks per pipeline rank (rank 0: layers 0 and 2);

@@ -1,4 +1,4 @@
-"""Issue 24 items 3-5: every bad input is refused before anything is written, a resume checks its
+"""Every bad input is refused before anything is written, a resume checks its
 config against the run's, and every user error (a full disk included) ends in one line, exit 2.
 
 Each case goes through the real CLI (``megarl.cli.main`` in this process; nothing here reaches

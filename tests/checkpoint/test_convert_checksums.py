@@ -1,4 +1,4 @@
-"""Checksums of converted folders (issue 24 item 6): a flipped byte in a piece used to convert back
+"""Checksums of converted folders: a flipped byte in a piece used to convert back
 with exit 0 and wrong weights; now every reader names the corrupted file and tensor."""
 import json
 import logging

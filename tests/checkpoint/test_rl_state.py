@@ -1,4 +1,4 @@
-"""RL checkpoints (issue 24 items 5-6): checksums verified on read, a corrupted checkpoint named
+"""RL checkpoints: checksums verified on read, a corrupted checkpoint named
 with the previous good one, old checkpoints still loading, orphaned temporaries removed."""
 import json
 import logging

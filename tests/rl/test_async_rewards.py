@@ -1,4 +1,4 @@
-"""Rewards scored in the pool as responses finish (issue 6 item 6): the same rewards as scoring
+"""Rewards scored in the pool as responses finish: the same rewards as scoring
 afterwards; a reward that raises, hangs in the sandbox, or blows its memory scores 0 and is
 counted, and the rollout goes on; stream training gets each group once its rewards are in, in
 the order the groups finished."""

@@ -332,7 +332,7 @@ def test_unshare_probe_agrees_with_the_shell():
 
 
 # ----------------------------------------------------------------------------------------------
-# containment (issue 24 item 7): each escape below works without bubblewrap (the tests fail when
+# containment: each escape below works without bubblewrap (the tests fail when
 # run_python falls back to "netns"), and is contained with it.
 
 def _processes_with(marker: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Issue 21 item 4: the trainer scores what the engine sampled, at any temperature.
+"""The trainer scores what the engine sampled, at any temperature.
 
 The trainer's logprobs (old, new, the reference's for KL) are ``log softmax(logits / T)`` with
 T = 0 read as 1 and top-k/top-p not applied: what the engine's ``token_stats`` reports for each

@@ -1,4 +1,4 @@
-"""Bubble work pieces (issue 6): preemptible generation, partial bubble drafts that stay exact,
+"""Bubble work pieces: preemptible generation, partial bubble drafts that stay exact,
 drafts shared between replicas, the per-rank timeline and its bubble fraction, the schedule
 config, and the idle-priority thread."""
 import threading

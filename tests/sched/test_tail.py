@@ -1,4 +1,4 @@
-"""Tail batching (issue 6 item 4): the round plan and queue, short rounds that keep the first
+"""Tail batching: the round plan and queue, short rounds that keep the first
 complete prompts with exactly the samples a full rollout gives them, and the on-policy check."""
 import copy
 

@@ -1,4 +1,4 @@
-"""The learned drafter (issue 7): exact with any weights (fp64, token-identical to speculation
+"""The learned drafter: exact with any weights (fp64, token-identical to speculation
 off), training lowers its loss and raises acceptance, preemptible training, the strategy bandit,
 export round trip, and identical weights on every replica after averaging (2 processes, gloo)."""
 import threading

@@ -1,4 +1,4 @@
-"""Whole GRPO runs with the learned drafter (issue 7), through tests/parallel_run_worker.py's tiny
+"""Whole GRPO runs with the learned drafter, through tests/parallel_run_worker.py's tiny
 fp64 runs (drafter_run_worker.py adds a per-step record of each process's drafter):
 
 - resume: a one-process run with speculation, the drafter (bandit strategy) and its training,

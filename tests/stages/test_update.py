@@ -1,4 +1,4 @@
-"""Issue 23 item 2: the plain GRPO update takes no separate old-logprob forward. With one optimizer
+"""The plain GRPO update takes no separate old-logprob forward. With one optimizer
 step per RL step the ratio's old logprobs are the training forward's own, detached; the update and
 the on-policy check ``logprob_diff_max`` are those of the update with the separate forward."""
 import pytest

@@ -1,4 +1,4 @@
-"""The run-directory lock (issue 24 item 1): one run per directory, no stale lock after a crash."""
+"""The run-directory lock: one run per directory, no stale lock after a crash."""
 import json
 import logging
 import os
