@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.models.rope import check_rope_scaling
+
 # HF ``architectures`` entries of the decoder family that megarl's plain-torch model covers.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -47,6 +49,11 @@ class ModelArgs:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: dict[str, Any] | None = None
+    """None: plain RoPE. Else HF's ``rope_parameters`` without ``rope_theta``: ``rope_type`` 'llama3'
+    (factor, low/high_freq_factor, original_max_position_embeddings) or 'yarn' (factor,
+    original_max_position_embeddings, optional attention_factor, beta_fast/slow, mscale(_all_dim),
+    truncate); the formulas are in megarl/models/rope.py."""
     max_position_embeddings: int = 2048
     """Longest sequence the model is configured for."""
     tie_word_embeddings: bool = False
@@ -84,6 +91,7 @@ class ModelArgs:
                 f"model_type={self.model_type!r} is not supported; valid choices: "
                 f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
             )
+        check_rope_scaling(self.rope_scaling)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -156,16 +164,7 @@ class ModelArgs:
                 f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
             )
         cfg = dict(cfg)
-        # transformers >= 5 writes RoPE settings as rope_parameters={"rope_type", "rope_theta", ...}
-        # (and may mirror them in rope_scaling); 4.x writes rope_theta at top level.
-        for key in ("rope_parameters", "rope_scaling"):
-            rope = cfg.get(key)
-            if not rope:
-                continue
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ValueError(f"{key}={rope!r} is not supported yet (plain RoPE only: rope_type 'default')")
-            if "rope_theta" in rope:
-                cfg["rope_theta"] = rope["rope_theta"]
+        cfg.update(_rope_fields_from_hf(cfg))
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]
@@ -193,6 +192,10 @@ class ModelArgs:
             use_cache=True,
             attention_dropout=0.0,
         )
+        if self.rope_scaling is None:
+            cfg.pop("rope_scaling")
+        else:  # transformers 5 reads scaled RoPE from rope_parameters (rope_theta included)
+            cfg["rope_parameters"] = {**cfg.pop("rope_scaling"), "rope_theta": self.rope_theta}
         if not self.is_moe:
             for name in _MOE_FIELDS:  # dense configs carry no MoE fields
                 cfg.pop(name)
@@ -213,6 +216,35 @@ class ModelArgs:
         else:
             cfg["mlp_bias"] = False
         return cfg
+
+
+def _rope_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` (ModelArgs names) of an HF config: transformers >= 5 writes
+    RoPE settings as rope_parameters={"rope_type", "rope_theta", ...} (and may mirror them in
+    rope_scaling); 4.x writes rope_theta at top level and the scaling in rope_scaling."""
+    out: dict[str, Any] = {"rope_scaling": None}
+    for key in ("rope_scaling", "rope_parameters"):  # rope_parameters (5.x) wins over a 4.x mirror
+        rope = cfg.get(key)
+        if not rope:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"{key}={rope!r} must be a JSON object (rope_type, rope_theta, ...)")
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            out["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{key}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
+                             f"(RoPE over the whole head: 1.0)")
+        rope.pop("partial_rotary_factor", None)
+        if rope_type == "default":
+            out["rope_scaling"] = None
+            continue
+        if rope_type in ("llama3", "yarn"):  # HF's default for a missing original context length
+            rope.setdefault("original_max_position_embeddings",
+                            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)))
+        out["rope_scaling"] = {"rope_type": rope_type, **rope}
+    return out
 
 
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")

@@ -26,6 +26,7 @@ from torch import nn
 
 from megarl.models.config import ModelArgs
 from megarl.models.packed_linear import Linear, linear
+from megarl.models.rope import inv_freq_and_scale
 
 
 class AttentionBackend(Protocol):
@@ -69,14 +70,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
+    """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2;
+    ``scaling``: a llama3/yarn ``ModelArgs.rope_scaling`` (megarl/models/rope.py), None for plain RoPE."""
     calc = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .to(calc) / head_dim))
+    inv_freq, scale = inv_freq_and_scale(head_dim, theta, scaling, calc, positions.device)
     freqs = positions.to(calc)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -312,7 +314,7 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling)
         attn = attn or causal_attention
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)

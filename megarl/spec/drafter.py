@@ -90,7 +90,7 @@ class Drafter(nn.Module):
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attn: _Attn) -> torch.Tensor:
         """Predicted next features [B, T, H] from features and next-token embeddings [B, T, H]."""
         x = self.fc(torch.cat([embeds, feats], -1))
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling)
         return self.norm(self.layer(x, cos, sin, attn))
 
     def predict(self, feats, tokens, embed_w, valid=None) -> torch.Tensor:

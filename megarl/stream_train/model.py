@@ -1,7 +1,7 @@
 """Build Megatron-core's GPTModel for a Llama/Qwen2-family ``ModelArgs`` and run it batch-first.
 
 The TransformerConfig mirrors the HF architecture exactly (RMSNorm, SwiGLU, no linear biases
-except the optional qkv bias, GQA, RoPE with ``rope_theta``, no dropout), so that with weights
+except the optional qkv bias, GQA, RoPE with ``rope_theta`` and HF's llama3 / yarn scaling, no dropout), so that with weights
 loaded through :mod:`megarl.models.mcore_mapping` its logits equal megarl's ``CausalLM``.
 
 With TP/PP > 1 each rank builds its own stage and TP piece (layout: :mod:`megarl.models.mcore_sharding`);
@@ -12,6 +12,7 @@ through the pipeline stages (the training schedules are the trainer's).
 from __future__ import annotations
 
 import functools
+import math
 import logging
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.models.rope import inv_freq_and_scale
 from megarl.parallel.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 
@@ -56,6 +58,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         **_moe_config(args, dims),
         **RECOMPUTE[recompute],
         qk_layernorm=args.qk_norm,
+        softmax_scale=_softmax_scale(args),
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.intermediate_size,
@@ -91,6 +94,16 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         deterministic_mode=True,
         cuda_graph_scope=[],  # the default "full" is deprecated and warns on every build
     )
+
+
+def _softmax_scale(args: ModelArgs) -> float | None:
+    """YaRN multiplies cos and sin by its attention factor m, so each rotated query and key by m and
+    every logit q.k by m**2: the same as a softmax scale of m**2 / sqrt(head_dim) on plain-rotated
+    q, k (Megatron's rotary embedding rotates without the factor). None: Megatron's default."""
+    if args.rope_scaling is None or args.rope_scaling["rope_type"] != "yarn":
+        return None
+    _, m = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling, torch.float64)
+    return m * m / math.sqrt(args.head_dim)
 
 
 def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
@@ -193,12 +206,14 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # WrappedTorchNorm builds RMSNorm weights in torch's default dtype, ignoring params_dtype;
     # cast so that every parameter has the model dtype (fp64 tests rely on it).
     model.to(device=dims.device, dtype=dtype)
-    if dtype == torch.float64:
-        # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype; in fp64 recompute it
-        # the way megarl's CausalLM does, so fp64 exactness tests see identical RoPE angles.
+    if dtype == torch.float64 or args.rope_scaling is not None:
+        # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype and knows neither HF's
+        # llama3 nor its yarn frequencies: set megarl's CausalLM ones (megarl/models/rope.py), so that
+        # fp64 exactness tests see identical RoPE angles and scaled RoPE is HF's.
         rope = model.rotary_pos_emb
-        exps = torch.arange(0, args.head_dim, 2, dtype=torch.int64).to(torch.float64) / args.head_dim
-        rope.inv_freq = (1.0 / (args.rope_theta ** exps)).to(rope.inv_freq.device)
+        calc = torch.promote_types(dtype, torch.float32)
+        inv_freq, _ = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling, calc)
+        rope.inv_freq = inv_freq.to(rope.inv_freq.device)
     return model
 
 
