@@ -57,6 +57,23 @@ def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     return attention(q, k, v, mask)
 
 
+class WindowedCausalAttention:
+    """Default backend of a sliding-window model: causal, and in a sliding layer (window w) each
+    token sees only itself and the w - 1 tokens before it (HF's sliding_window_overlay)."""
+
+    handles_window = True  # CausalLM refuses a backend of a sliding-window model without this
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, window = q.shape[1], self.args.window(layer_idx)
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            mask = mask.triu(1 - window)  # key j visible from query i iff i - window < j
+        return attention(q, k, v, mask[None])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -315,7 +332,11 @@ class CausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling)
-        attn = attn or causal_attention
+        if attn is None:
+            attn = causal_attention if self.args.sliding_window is None else WindowedCausalAttention(self.args)
+        elif self.args.sliding_window is not None and not getattr(attn, "handles_window", False):
+            raise ValueError(f"this model has sliding-window layers (sliding_window={self.args.sliding_window}) "
+                             f"and the attention backend {type(attn).__name__} does not apply windows")
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)

@@ -44,7 +44,8 @@ def drafter_args(target: ModelArgs) -> ModelArgs:
     """The drafter layer's shapes: the target's, one layer, dense."""
     return dataclasses.replace(target, num_hidden_layers=1,
                                model_type=_DENSE_OF.get(target.model_type, target.model_type),
-                               num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=None)
+                               num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=None,
+                               sliding_window=None, layer_types=None)  # the drafter's own band (_Attn) limits it
 
 
 class _Attn:
