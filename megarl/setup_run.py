@@ -96,7 +96,7 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep, vpp=p.trainer_vpp)
     if args.sliding_window is not None:
         raise ValueError(f"the model's sliding-window attention (sliding_window={args.sliding_window}) is not built "
-                         f"in megarl's engine and Megatron trainer yet: use a model with full causal attention")
+                         f"in megarl's Megatron trainer yet: use a model with full causal attention")
     if p.rollout_tp > 1:
         check_tp(args, p.rollout_tp)
     if cfg.stream_train and (p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, p.trainer_tp):

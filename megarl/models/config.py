@@ -145,6 +145,11 @@ class ModelArgs:
             return None
         return self.sliding_window
 
+    @property
+    def windows(self) -> list[int | None] | None:
+        """Each layer's window (:meth:`window`), or None for a model without sliding windows."""
+        return None if self.sliding_window is None else [self.window(i) for i in range(self.num_hidden_layers)]
+
     def _check_moe(self) -> None:
         if self.num_experts < 1:
             raise ValueError(f"num_experts={self.num_experts} must be >= 1 for model_type={self.model_type!r}")
