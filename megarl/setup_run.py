@@ -94,9 +94,6 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
                          "trainers get a step's groups once its rollout is over (streaming them over while the "
                          "rollout runs is not built); or use stream_train=false")
     check_parallel(args, p.trainer_tp, p.trainer_pp, p.trainer_ep, vpp=p.trainer_vpp)
-    if args.sliding_window is not None:
-        raise ValueError(f"the model's sliding-window attention (sliding_window={args.sliding_window}) is not built "
-                         f"in megarl's Megatron trainer yet: use a model with full causal attention")
     if p.rollout_tp > 1:
         check_tp(args, p.rollout_tp)
     if cfg.stream_train and (p.trainer_pp, p.trainer_ep, p.rollout_tp) != (1, 1, p.trainer_tp):

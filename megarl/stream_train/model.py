@@ -59,6 +59,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         **RECOMPUTE[recompute],
         qk_layernorm=args.qk_norm,
         softmax_scale=_softmax_scale(args),
+        **_window_config(args),
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.intermediate_size,
@@ -104,6 +105,16 @@ def _softmax_scale(args: ModelArgs) -> float | None:
         return None
     _, m = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling, torch.float64)
     return m * m / math.sqrt(args.head_dim)
+
+
+def _window_config(args: ModelArgs) -> dict:
+    """Megatron's sliding-window fields for HF's window w (a query at i sees keys i - w < j <= i):
+    ``window_size=(w - 1, 0)`` keys to the left and right, on the layers flagged 1 in
+    ``window_attn_skip_freq`` (megarl's SDPA attention reads both; empty for full attention)."""
+    if args.sliding_window is None:
+        return {}
+    return dict(window_size=(args.sliding_window - 1, 0),
+                window_attn_skip_freq=[int(w is not None) for w in args.windows])
 
 
 def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
@@ -263,6 +274,7 @@ def sdpa_attention_class():
     the causal one by position and ``attention_mask`` is not read (pass None)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import is_layer_window_attention
 
     class SdpaDotProductAttention(DotProductAttention):
         def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
@@ -271,6 +283,19 @@ def sdpa_attention_class():
                 raise ValueError(f"megarl's SDPA attention is causal only; got attn_mask_type={attn_mask_type}")
             if self.attention_dropout.p != 0.0 or self.softmax_offset is not None:
                 raise ValueError("megarl's SDPA attention takes no attention dropout and no softmax offset")
+            # This layer's sliding window (keys to the left; the layer number is global, 1-based).
+            cfg = self.config
+            self.left = (cfg.window_size[0] if is_layer_window_attention(
+                cfg.window_size, cfg.window_attn_skip_freq, self.layer_number) else None)
+
+        def _attend(self, q, k, v, gqa):
+            """SDPA over [b, n, s, d]: causal, and within ``self.left`` keys to the left in a sliding layer."""
+            if self.left is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                      enable_gqa=gqa)
+            s = q.shape[-2]
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(-self.left)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
 
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -279,8 +304,7 @@ def sdpa_attention_class():
             if attention_bias is not None:
                 raise ValueError("megarl's SDPA attention takes no attention bias")
             gqa = query.shape[-2] != key.shape[-2]
-            attend = functools.partial(F.scaled_dot_product_attention, is_causal=True, scale=self.softmax_scale,
-                                       enable_gqa=gqa)
+            attend = functools.partial(self._attend, gqa=gqa)
             if packed_seq_params is None:
                 # [s, b, n, d] -> [b, n, s, d] (views), and back to [s, b, n * d]
                 out = attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
