@@ -249,7 +249,8 @@ def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: 
 @functools.cache
 def sdpa_attention_class():
     """Megatron's local ``DotProductAttention`` with its forward on
-    ``torch.nn.functional.scaled_dot_product_attention`` (causal): built on first use, so that
+    ``torch.nn.functional.scaled_dot_product_attention`` (causal; within its window in a sliding layer,
+    Megatron's ``window_size`` / ``window_attn_skip_freq``): built on first use, so that
     importing this module does not import Megatron.
 
     Why: the local spec's attention materialises the scores and the probabilities as
