@@ -1,8 +1,9 @@
 """Build Megatron-core's GPTModel for a Llama/Qwen2-family ``ModelArgs`` and run it batch-first.
 
 The TransformerConfig mirrors the HF architecture exactly (RMSNorm, SwiGLU, no linear biases
-except the optional qkv bias, GQA, RoPE with ``rope_theta`` and HF's llama3 / yarn scaling, no dropout), so that with weights
-loaded through :mod:`megarl.models.mcore_mapping` its logits equal megarl's ``CausalLM``.
+except the optional qkv bias, GQA, RoPE with ``rope_theta`` and HF's llama3 / yarn scaling, sliding
+windows, no dropout), so that with weights loaded through :mod:`megarl.models.mcore_mapping` its
+logits equal megarl's ``CausalLM``.
 
 With TP/PP > 1 each rank builds its own stage and TP piece (layout: :mod:`megarl.models.mcore_sharding`);
 :func:`load_hf_state` loads this rank's piece of HF weights, :func:`gpt_logits` gathers the

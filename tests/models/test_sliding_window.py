@@ -64,7 +64,8 @@ def test_sliding_window_hf_config_round_trip(family):
     args = ModelArgs.from_hf_config(hf.config.to_dict())
     assert ModelArgs.from_hf_config(args.to_hf_config()) == args
     back = type(hf.config)(**args.to_hf_config())
-    assert back.sliding_window == WINDOW and getattr(back, "layer_types", None) == getattr(hf.config, "layer_types", None)
+    assert back.sliding_window == WINDOW
+    assert getattr(back, "layer_types", None) == getattr(hf.config, "layer_types", None)
 
 
 def test_window_off_and_bad_windows():
