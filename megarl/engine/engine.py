@@ -112,10 +112,10 @@ class Engine:
         n_kv = model.local_args.num_key_value_heads if tp else a.num_key_value_heads  # this rank's KV heads
         if cfg.kv_cache == "paged":
             self.cache = PagedKVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len, n_kv, a.head_dim,
-                                      self.dtype, self.device, cfg.kv_block_size, cfg.num_kv_blocks)
+                                      self.dtype, self.device, cfg.kv_block_size, cfg.num_kv_blocks, a.windows)
         else:
             self.cache = KVCache(a.num_hidden_layers, cfg.max_batch_size, cfg.max_seq_len,
-                                 n_kv, a.head_dim, self.dtype, self.device)
+                                 n_kv, a.head_dim, self.dtype, self.device, a.windows)
         # CPU fp32/bf16: oneDNN linears (models/packed_linear.py); with them or bf16, ``_forward``'s twin row.
         self.packs = (packed_linear.PackedLinears(self.model) if cfg.cpu_packed_linears
                       and packed_linear.supports(self.dtype, self.device) else None)

@@ -112,8 +112,9 @@ class KVCache:
     needs_compaction = True  # rows in consecutive slots are read in place (Engine._compact)
 
     def __init__(self, n_layers: int, max_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, windows: list[int | None] | None = None):
         self.table = SlotTable(max_slots, max_seq_len)
+        self.windows = windows  # per layer: its sliding window, None = full causal (ModelArgs.window)
         shape = (n_layers, max_slots, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -190,6 +191,7 @@ class CacheAttention:
         # Causal over absolute positions: query at position p sees keys 0..p of its own slot.
         key_pos = torch.arange(self.n_keys, device=dev)
         self.masked = key_pos[None, None, :] > pos[:, :, None]  # [B, T, n_keys], True = hidden
+        self.masks = window_masks(self.masked, pos, cache.windows)
         self.shape = (b, t)
         # Rows of consecutive slots (the common case: slots are handed out lowest first) read
         # the cache through a view; otherwise their slots are gathered once per layer.
@@ -208,10 +210,32 @@ class CacheAttention:
             keys, values = ck[self.slot_idx, :, : self.n_keys], cv[self.slot_idx, :, : self.n_keys]
         b, t = self.shape
         if self.dense:
-            return grouped_attention(q.view(b, t, *q.shape[2:]), keys, values, self.masked).reshape(q.shape)
+            out = grouped_attention(q.view(b, t, *q.shape[2:]), keys, values, self.mask(layer_idx))
+            return out.reshape(q.shape)
         qp = q.new_zeros(b, t, *q.shape[2:])
         qp[self.src_rows, self.src_cols] = q[0]
-        return grouped_attention(qp, keys, values, self.masked)[self.src_rows, self.src_cols][None]
+        return grouped_attention(qp, keys, values, self.mask(layer_idx))[self.src_rows, self.src_cols][None]
+
+    @property
+    def handles_window(self) -> bool:
+        """Whether the cache knows the model's per-layer windows (CausalLM refuses a sliding-window
+        model's forward otherwise)."""
+        return self.cache.windows is not None
+
+    def mask(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s [B, T, n_keys] mask (True = hidden): causal, or causal within its window."""
+        return self.masks[self.cache.windows[layer_idx]] if self.cache.windows else self.masked
+
+
+def window_masks(masked: torch.Tensor, pos: torch.Tensor, windows: list[int | None] | None) -> dict:
+    """The causal mask ``masked`` [B, T, n_keys] (True = hidden; keys at positions 0..n_keys-1,
+    queries at ``pos`` [B, T]) under None, and under each sliding window w of ``windows`` the same
+    with the keys at positions <= p - w hidden too (HF's sliding window: p - w < j <= p)."""
+    key_pos = torch.arange(masked.shape[-1], device=masked.device)
+    out = {None: masked}
+    for w in set(windows or ()) - {None}:
+        out[w] = masked | (key_pos[None, None, :] <= pos[:, :, None] - w)
+    return out
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import heapq
 
 import torch
 
-from megarl.engine.kv_cache import _positions, grouped_attention
+from megarl.engine.kv_cache import CacheAttention, _positions, grouped_attention, window_masks
 from megarl.engine.paged_attention import gather_pages, page_index
 
 # Verify rows of up to this many tokens go to the Triton kernel on CUDA; longer rows (prefill)
@@ -234,8 +234,12 @@ class PagedKVCache:
     needs_compaction = False  # rows are gathered through the block table: holes cost nothing
 
     def __init__(self, n_layers: int, max_seqs: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, block_size: int = 16, num_blocks: int = 0):
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = 16, num_blocks: int = 0,
+                 windows: list[int | None] | None = None):
         num_blocks = num_blocks or max_seqs * blocks_for(max_seq_len, block_size)
+        # per layer: its sliding window, None = full causal (ModelArgs.window); the Triton kernel
+        # has no window, so a cache with windows attends by gather + grouped_attention on CUDA too.
+        self.windows = windows
         self.table = BlockTable(max_seqs, max_seq_len, block_size, num_blocks)
         self.block_size = block_size
         # One block more than the table hands out: the scratch block, where a fixed-shape step
@@ -302,10 +306,14 @@ class PagedCacheAttention:
         self.q_start = pos[:, 0].contiguous()
         self.dense = self.src_rows.numel() == b * t
         self.shape = (b, t)
-        self.use_kernel = dev.type == "cuda" and t <= KERNEL_MAX_QUERIES and bs >= 16
+        self.use_kernel = dev.type == "cuda" and t <= KERNEL_MAX_QUERIES and bs >= 16 and not cache.windows
         if not self.use_kernel:  # causal over absolute positions, as in CacheAttention
             self.masked = torch.arange(self.n_keys, device=dev)[None, None, :] > pos[:, :, None]
+            self.masks = window_masks(self.masked, pos, cache.windows)
             self.page_index = page_index(self.block_tables, cache.k.shape[2])
+
+    handles_window = CacheAttention.handles_window
+    mask = CacheAttention.mask
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] (packed). Returns [1, N, Hq, D]."""
@@ -323,5 +331,5 @@ class PagedCacheAttention:
             out = paged_attention_triton(qp, ck, cv, self.block_tables, self.q_start, self.n_q)
         else:
             keys, values = (gather_pages(c, self.block_tables, self.n_keys, self.page_index) for c in (ck, cv))
-            out = grouped_attention(qp, keys, values, self.masked)
+            out = grouped_attention(qp, keys, values, self.mask(layer_idx))
         return out.reshape(q.shape) if self.dense else out[self.src_rows, self.src_cols][None]

@@ -30,6 +30,7 @@ import bisect
 
 import torch
 
+from megarl.engine.kv_cache import window_masks
 from megarl.engine.paged_attention import page_index
 from megarl.engine.paged_kv_cache import KERNEL_MAX_QUERIES, PagedCacheAttention, PagedKVCache
 from megarl.engine.sampler import token_stats
@@ -166,7 +167,8 @@ class _StaticAttention(PagedCacheAttention):
         self.dst_blocks = torch.where(valid, blk, cache.scratch_block).reshape(-1)
         self.dst_off = (pos % bs).reshape(-1)
         self.n_keys = buf.block_tables.shape[1] * bs
-        self.use_kernel = dev.type == "cuda" and buf.t <= KERNEL_MAX_QUERIES and bs >= 16
+        self.use_kernel = dev.type == "cuda" and buf.t <= KERNEL_MAX_QUERIES and bs >= 16 and not cache.windows
         if not self.use_kernel:
             self.masked = torch.arange(self.n_keys, device=dev)[None, None, :] > pos[:, :, None]
+            self.masks = window_masks(self.masked, pos, cache.windows)
             self.page_index = page_index(buf.block_tables, cache.k.shape[2])

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.models.rope import check_rope_scaling
+
 # HF ``architectures`` entries of the decoder family that megarl's plain-torch model covers.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -47,8 +49,19 @@ class ModelArgs:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: dict[str, Any] | None = None
+    """None: plain RoPE. Else HF's ``rope_parameters`` without ``rope_theta``: ``rope_type`` 'llama3'
+    (factor, low/high_freq_factor, original_max_position_embeddings) or 'yarn' (factor,
+    original_max_position_embeddings, optional attention_factor, beta_fast/slow, mscale(_all_dim),
+    truncate); the formulas are in megarl/models/rope.py."""
     max_position_embeddings: int = 2048
     """Longest sequence the model is configured for."""
+    sliding_window: int | None = None
+    """None: full causal attention. Else the window of the sliding-attention layers: a query at
+    position i sees the keys at positions i - sliding_window < j <= i (HF Qwen2/Qwen3/Mixtral)."""
+    layer_types: list[str] | None = None
+    """With ``sliding_window``: each layer's ``full_attention`` or ``sliding_attention`` (HF's
+    ``layer_types``); None = every layer sliding. None without a window."""
     tie_word_embeddings: bool = False
     """Whether the LM head shares the embedding matrix."""
     attention_bias: bool = False
@@ -84,6 +97,8 @@ class ModelArgs:
                 f"model_type={self.model_type!r} is not supported; valid choices: "
                 f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
             )
+        check_rope_scaling(self.rope_scaling)
+        self._check_window()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -101,6 +116,39 @@ class ModelArgs:
             # Qwen3's attention_bias would also put a bias on o_proj, which the Megatron mapping
             # has no place for; released Qwen3/Mixtral checkpoints have no attention biases.
             raise ValueError(f"attention_bias=True is not supported for model_type={self.model_type!r}")
+
+    def _check_window(self) -> None:
+        if self.sliding_window is None:
+            if self.layer_types is not None and "sliding_attention" in self.layer_types:
+                raise ValueError(f"layer_types={self.layer_types} has sliding layers but sliding_window=None")
+            self.layer_types = None
+            return
+        if self.model_type == "llama":
+            raise ValueError(f"sliding_window={self.sliding_window} is not part of HF Llama; sliding-window "
+                             f"model types: qwen2, qwen3, qwen3_moe, mixtral")
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be an integer >= 1 (or None)")
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention"] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        kinds = {"full_attention", "sliding_attention"}
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= kinds:
+            raise ValueError(f"layer_types={self.layer_types} must name {self.num_hidden_layers} layers, each one "
+                             f"of {sorted(kinds)}")
+        if self.model_type in MOE_TYPES and "full_attention" in self.layer_types:
+            raise ValueError(f"model_type={self.model_type!r} slides the window over every layer; got "
+                             f"layer_types={self.layer_types}")
+
+    def window(self, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx``; None: full causal attention."""
+        if self.sliding_window is None or self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> list[int | None] | None:
+        """Each layer's window (:meth:`window`), or None for a model without sliding windows."""
+        return None if self.sliding_window is None else [self.window(i) for i in range(self.num_hidden_layers)]
 
     def _check_moe(self) -> None:
         if self.num_experts < 1:
@@ -156,23 +204,13 @@ class ModelArgs:
                 f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
             )
         cfg = dict(cfg)
-        # transformers >= 5 writes RoPE settings as rope_parameters={"rope_type", "rope_theta", ...}
-        # (and may mirror them in rope_scaling); 4.x writes rope_theta at top level.
-        for key in ("rope_parameters", "rope_scaling"):
-            rope = cfg.get(key)
-            if not rope:
-                continue
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ValueError(f"{key}={rope!r} is not supported yet (plain RoPE only: rope_type 'default')")
-            if "rope_theta" in rope:
-                cfg["rope_theta"] = rope["rope_theta"]
+        cfg.update(_rope_fields_from_hf(cfg))
+        cfg.update(_window_fields_from_hf(cfg, model_type))
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]
         if model_type in MOE_TYPES:
             cfg = _moe_fields_from_hf(cfg, model_type)
-        elif model_type == "qwen3" and cfg.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
         names = {f.name for f in dataclasses.fields(cls)} - {"model_type", "eos_token_id"}
         kwargs = {k: cfg[k] for k in names if k in cfg and cfg[k] is not None}
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -193,14 +231,20 @@ class ModelArgs:
             use_cache=True,
             attention_dropout=0.0,
         )
+        if self.rope_scaling is None:
+            cfg.pop("rope_scaling")
+        else:  # transformers 5 reads scaled RoPE from rope_parameters (rope_theta included)
+            cfg["rope_parameters"] = {**cfg.pop("rope_scaling"), "rope_theta": self.rope_theta}
         if not self.is_moe:
             for name in _MOE_FIELDS:  # dense configs carry no MoE fields
                 cfg.pop(name)
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            cfg["use_sliding_window"] = self.sliding_window is not None
+            if self.model_type == "qwen3_moe" or self.layer_types is None:
+                cfg.pop("layer_types")  # Qwen3-MoE has none (its window covers every layer)
         if self.model_type == "qwen2":
             cfg.pop("attention_bias")  # Qwen2 always has qkv bias; HF's config has no such field
-            cfg["use_sliding_window"] = False
         elif self.model_type in ("qwen3", "qwen3_moe"):
-            cfg.update(use_sliding_window=False, sliding_window=None)
             if self.model_type == "qwen3_moe":
                 # Every layer sparse: the only layout megarl's models (and their mapping) cover.
                 cfg.update(decoder_sparse_step=1, mlp_only_layers=[])
@@ -209,10 +253,56 @@ class ModelArgs:
             cfg.pop("norm_topk_prob")  # always renormalised
             cfg["num_local_experts"] = cfg.pop("num_experts")
             cfg.pop("moe_intermediate_size")  # = intermediate_size
-            cfg.update(sliding_window=None, router_jitter_noise=0.0)
+            cfg.pop("layer_types")  # Mixtral's window covers every layer
+            cfg["router_jitter_noise"] = 0.0
         else:
             cfg["mlp_bias"] = False
+            cfg.pop("sliding_window")
+            cfg.pop("layer_types")
         return cfg
+
+
+def _rope_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` (ModelArgs names) of an HF config: transformers >= 5 writes
+    RoPE settings as rope_parameters={"rope_type", "rope_theta", ...} (and may mirror them in
+    rope_scaling); 4.x writes rope_theta at top level and the scaling in rope_scaling."""
+    out: dict[str, Any] = {"rope_scaling": None}
+    for key in ("rope_scaling", "rope_parameters"):  # rope_parameters (5.x) wins over a 4.x mirror
+        rope = cfg.get(key)
+        if not rope:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"{key}={rope!r} must be a JSON object (rope_type, rope_theta, ...)")
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            out["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{key}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
+                             f"(RoPE over the whole head: 1.0)")
+        rope.pop("partial_rotary_factor", None)
+        if rope_type == "default":
+            out["rope_scaling"] = None
+            continue
+        if rope_type in ("llama3", "yarn"):  # HF's default for a missing original context length
+            rope.setdefault("original_max_position_embeddings",
+                            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)))
+        out["rope_scaling"] = {"rope_type": rope_type, **rope}
+    return out
+
+
+def _window_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` (ModelArgs names) as HF builds them: Qwen2/Qwen3 slide
+    only with ``use_sliding_window``, on ``layer_types`` (default: layers from ``max_window_layers``
+    on); Qwen3-MoE (with ``use_sliding_window``) and Mixtral on every layer; Llama never."""
+    if model_type == "llama" or (model_type != "mixtral" and not cfg.get("use_sliding_window")):
+        return {"sliding_window": None, "layer_types": None}
+    window = cfg.get("sliding_window", 4096 if model_type != "mixtral" else None)
+    if window is None or model_type in MOE_TYPES:
+        return {"sliding_window": window, "layer_types": None}
+    n, first = cfg.get("num_hidden_layers", 0), cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return {"sliding_window": window, "layer_types": types}
 
 
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
@@ -220,7 +310,7 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
 
 def _moe_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The HF config of an MoE model with its fields under ``ModelArgs`` names; layouts megarl does
-    not implement (dense layers mixed in, sliding windows, router jitter) raise naming the field."""
+    not implement (dense layers mixed in, router jitter) raise naming the field."""
     cfg = dict(cfg)
     if model_type == "qwen3_moe":
         if cfg.get("decoder_sparse_step", 1) != 1:
@@ -229,8 +319,6 @@ def _moe_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         if cfg.get("mlp_only_layers"):
             raise ValueError(f"mlp_only_layers={cfg['mlp_only_layers']} is not supported: every layer must be "
                              f"sparse (mlp_only_layers=[])")
-        if cfg.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
         if "num_local_experts" in cfg:  # transformers 5.x saves Qwen3-MoE's expert count under this name
             cfg.setdefault("num_experts", cfg.pop("num_local_experts"))
         # HF's Qwen3MoeConfig defaults, for configs that leave them out.
@@ -239,9 +327,6 @@ def _moe_fields_from_hf(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         cfg.setdefault("moe_intermediate_size", 768)
         cfg.setdefault("norm_topk_prob", False)
     else:  # mixtral
-        if cfg.get("sliding_window") is not None:
-            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported (full causal attention "
-                             f"only: sliding_window=None)")
         if cfg.get("router_jitter_noise"):
             raise ValueError(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported: the router "
                              f"must be deterministic (router_jitter_noise=0)")

@@ -26,6 +26,7 @@ from torch import nn
 
 from megarl.models.config import ModelArgs
 from megarl.models.packed_linear import Linear, linear
+from megarl.models.rope import inv_freq_and_scale
 
 
 class AttentionBackend(Protocol):
@@ -56,6 +57,23 @@ def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     return attention(q, k, v, mask)
 
 
+class WindowedCausalAttention:
+    """Default backend of a sliding-window model: causal, and in a sliding layer (window w) each
+    token sees only itself and the w - 1 tokens before it (HF's sliding_window_overlay)."""
+
+    handles_window = True  # CausalLM refuses a backend of a sliding-window model without this
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, window = q.shape[1], self.args.window(layer_idx)
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            mask = mask.triu(1 - window)  # key j visible from query i iff i - window < j
+        return attention(q, k, v, mask[None])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -69,14 +87,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
+    """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2;
+    ``scaling``: a llama3/yarn ``ModelArgs.rope_scaling`` (megarl/models/rope.py), None for plain RoPE."""
     calc = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .to(calc) / head_dim))
+    inv_freq, scale = inv_freq_and_scale(head_dim, theta, scaling, calc, positions.device)
     freqs = positions.to(calc)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -312,8 +331,12 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
-        attn = attn or causal_attention
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling)
+        if attn is None:
+            attn = causal_attention if self.args.sliding_window is None else WindowedCausalAttention(self.args)
+        elif self.args.sliding_window is not None and not getattr(attn, "handles_window", False):
+            raise ValueError(f"this model has sliding-window layers (sliding_window={self.args.sliding_window}) "
+                             f"and the attention backend {type(attn).__name__} does not apply windows")
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)

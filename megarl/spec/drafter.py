@@ -44,7 +44,8 @@ def drafter_args(target: ModelArgs) -> ModelArgs:
     """The drafter layer's shapes: the target's, one layer, dense."""
     return dataclasses.replace(target, num_hidden_layers=1,
                                model_type=_DENSE_OF.get(target.model_type, target.model_type),
-                               num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=None)
+                               num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=None,
+                               sliding_window=None, layer_types=None)  # the drafter's own band (_Attn) limits it
 
 
 class _Attn:
@@ -90,7 +91,7 @@ class Drafter(nn.Module):
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attn: _Attn) -> torch.Tensor:
         """Predicted next features [B, T, H] from features and next-token embeddings [B, T, H]."""
         x = self.fc(torch.cat([embeds, feats], -1))
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling)
         return self.norm(self.layer(x, cos, sin, attn))
 
     def predict(self, feats, tokens, embed_w, valid=None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Build Megatron-core's GPTModel for a Llama/Qwen2-family ``ModelArgs`` and run it batch-first.
 
 The TransformerConfig mirrors the HF architecture exactly (RMSNorm, SwiGLU, no linear biases
-except the optional qkv bias, GQA, RoPE with ``rope_theta``, no dropout), so that with weights
-loaded through :mod:`megarl.models.mcore_mapping` its logits equal megarl's ``CausalLM``.
+except the optional qkv bias, GQA, RoPE with ``rope_theta`` and HF's llama3 / yarn scaling, sliding
+windows, no dropout), so that with weights loaded through :mod:`megarl.models.mcore_mapping` its
+logits equal megarl's ``CausalLM``.
 
 With TP/PP > 1 each rank builds its own stage and TP piece (layout: :mod:`megarl.models.mcore_sharding`);
 :func:`load_hf_state` loads this rank's piece of HF weights, :func:`gpt_logits` gathers the
@@ -12,6 +13,7 @@ through the pipeline stages (the training schedules are the trainer's).
 from __future__ import annotations
 
 import functools
+import math
 import logging
 
 import torch
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.models.rope import inv_freq_and_scale
 from megarl.parallel.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 
@@ -56,6 +59,8 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         **_moe_config(args, dims),
         **RECOMPUTE[recompute],
         qk_layernorm=args.qk_norm,
+        softmax_scale=_softmax_scale(args),
+        **_window_config(args),
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.intermediate_size,
@@ -91,6 +96,26 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         deterministic_mode=True,
         cuda_graph_scope=[],  # the default "full" is deprecated and warns on every build
     )
+
+
+def _softmax_scale(args: ModelArgs) -> float | None:
+    """YaRN multiplies cos and sin by its attention factor m, so each rotated query and key by m and
+    every logit q.k by m**2: the same as a softmax scale of m**2 / sqrt(head_dim) on plain-rotated
+    q, k (Megatron's rotary embedding rotates without the factor). None: Megatron's default."""
+    if args.rope_scaling is None or args.rope_scaling["rope_type"] != "yarn":
+        return None
+    _, m = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling, torch.float64)
+    return m * m / math.sqrt(args.head_dim)
+
+
+def _window_config(args: ModelArgs) -> dict:
+    """Megatron's sliding-window fields for HF's window w (a query at i sees keys i - w < j <= i):
+    ``window_size=(w - 1, 0)`` keys to the left and right, on the layers flagged 1 in
+    ``window_attn_skip_freq`` (megarl's SDPA attention reads both; empty for full attention)."""
+    if args.sliding_window is None:
+        return {}
+    return dict(window_size=(args.sliding_window - 1, 0),
+                window_attn_skip_freq=[int(w is not None) for w in args.windows])
 
 
 def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
@@ -193,12 +218,14 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # WrappedTorchNorm builds RMSNorm weights in torch's default dtype, ignoring params_dtype;
     # cast so that every parameter has the model dtype (fp64 tests rely on it).
     model.to(device=dims.device, dtype=dtype)
-    if dtype == torch.float64:
-        # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype; in fp64 recompute it
-        # the way megarl's CausalLM does, so fp64 exactness tests see identical RoPE angles.
+    if dtype == torch.float64 or args.rope_scaling is not None:
+        # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype and knows neither HF's
+        # llama3 nor its yarn frequencies: set megarl's CausalLM ones (megarl/models/rope.py), so that
+        # fp64 exactness tests see identical RoPE angles and scaled RoPE is HF's.
         rope = model.rotary_pos_emb
-        exps = torch.arange(0, args.head_dim, 2, dtype=torch.int64).to(torch.float64) / args.head_dim
-        rope.inv_freq = (1.0 / (args.rope_theta ** exps)).to(rope.inv_freq.device)
+        calc = torch.promote_types(dtype, torch.float32)
+        inv_freq, _ = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling, calc)
+        rope.inv_freq = inv_freq.to(rope.inv_freq.device)
     return model
 
 
@@ -223,7 +250,8 @@ def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: 
 @functools.cache
 def sdpa_attention_class():
     """Megatron's local ``DotProductAttention`` with its forward on
-    ``torch.nn.functional.scaled_dot_product_attention`` (causal): built on first use, so that
+    ``torch.nn.functional.scaled_dot_product_attention`` (causal; within its window in a sliding layer,
+    Megatron's ``window_size`` / ``window_attn_skip_freq``): built on first use, so that
     importing this module does not import Megatron.
 
     Why: the local spec's attention materialises the scores and the probabilities as
@@ -248,6 +276,7 @@ def sdpa_attention_class():
     the causal one by position and ``attention_mask`` is not read (pass None)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import is_layer_window_attention
 
     class SdpaDotProductAttention(DotProductAttention):
         def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
@@ -256,6 +285,19 @@ def sdpa_attention_class():
                 raise ValueError(f"megarl's SDPA attention is causal only; got attn_mask_type={attn_mask_type}")
             if self.attention_dropout.p != 0.0 or self.softmax_offset is not None:
                 raise ValueError("megarl's SDPA attention takes no attention dropout and no softmax offset")
+            # This layer's sliding window (keys to the left; the layer number is global, 1-based).
+            cfg = self.config
+            self.left = (cfg.window_size[0] if is_layer_window_attention(
+                cfg.window_size, cfg.window_attn_skip_freq, self.layer_number) else None)
+
+        def _attend(self, q, k, v, gqa):
+            """SDPA over [b, n, s, d]: causal, and within ``self.left`` keys to the left in a sliding layer."""
+            if self.left is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                      enable_gqa=gqa)
+            s = q.shape[-2]
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(-self.left)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
 
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -264,8 +306,7 @@ def sdpa_attention_class():
             if attention_bias is not None:
                 raise ValueError("megarl's SDPA attention takes no attention bias")
             gqa = query.shape[-2] != key.shape[-2]
-            attend = functools.partial(F.scaled_dot_product_attention, is_causal=True, scale=self.softmax_scale,
-                                       enable_gqa=gqa)
+            attend = functools.partial(self._attend, gqa=gqa)
             if packed_seq_params is None:
                 # [s, b, n, d] -> [b, n, s, d] (views), and back to [s, b, n * d]
                 out = attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))

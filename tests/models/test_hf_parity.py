@@ -92,5 +92,5 @@ def test_rope_settings_in_both_config_layouts():
     assert ModelArgs.from_hf_config({**base, "rope_theta": 5000.0}).rope_theta == 5000.0  # transformers 4.x
     v5 = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 123.0}}  # transformers 5.x
     assert ModelArgs.from_hf_config(v5).rope_theta == 123.0
-    with pytest.raises(ValueError, match="plain RoPE only"):
-        ModelArgs.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_type='linear' is not supported"):
+        ModelArgs.from_hf_config({**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}})

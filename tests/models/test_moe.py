@@ -163,14 +163,11 @@ def qwen3_moe_cfg(**kw) -> dict:
 @pytest.mark.parametrize("cfg,match", [
     (qwen3_moe_cfg(decoder_sparse_step=2), r"decoder_sparse_step=2 is not supported"),
     (qwen3_moe_cfg(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] is not supported"),
-    (qwen3_moe_cfg(use_sliding_window=True), r"use_sliding_window=True"),
     (qwen3_moe_cfg(num_experts_per_tok=5), r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"),
     (qwen3_moe_cfg(num_experts=0), r"num_experts=0 must be >= 1"),
     (qwen3_moe_cfg(attention_bias=True), r"attention_bias=True is not supported for model_type='qwen3_moe'"),
     ({**qwen3_moe_cfg(), "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
       "router_jitter_noise": 0.1}, r"router_jitter_noise=0.1 is not supported"),
-    ({**qwen3_moe_cfg(), "architectures": ["MixtralForCausalLM"], "sliding_window": 4096},
-     r"sliding_window=4096 is not supported"),
 ])
 def test_unsupported_moe_configs_are_rejected(cfg, match):
     with pytest.raises(ValueError, match=match):
