@@ -67,6 +67,26 @@ def _vllm_env() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def _forget_stale_vllm_groups() -> None:
+    """vLLM keeps its world and model-parallel groups in module globals, made once per process over
+    the default process group. If that group was destroyed since (an earlier vLLM's shutdown, or a
+    run or test that set up torch.distributed again), a new ``LLM`` would reuse the stale groups and
+    fail ("not initialized in the world group map"): forget them, so it makes its own anew. Torch
+    has already dropped them; nothing is destroyed here."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    world = ps._WORLD
+    if world is None:
+        return
+    if dist.is_initialized() and getattr(world, "device_group", None) in dist.distributed_c10d._world.pg_map:
+        return  # still valid: this process's vLLM groups are live
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, ps.GroupCoordinator):
+            setattr(ps, name, None)
+    ps._NODE_COUNT = None
+
+
 def sample_seed(run_seed: int, step: int, uid: int, sample_idx: int) -> int:
     """vLLM's per-request seed: 63 bits of a hash of (run seed, step, prompt uid, sample index)."""
     key = struct.pack("<4q", run_seed, step, uid, sample_idx)
@@ -113,6 +133,7 @@ class VLLMEngine:
                 json.dump(a.to_hf_config(c.dtype), f)
             from vllm import LLM
 
+            _forget_stale_vllm_groups()
             with torch.random.fork_rng():
                 llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,

@@ -58,3 +58,29 @@ def test_after_each_sync_vllm_greedy_equals_transformers_and_logprobs_equal_the_
             diff = max(diff, (lp - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max().item())
         assert diff < 1e-4, diff  # logprob_diff_max at fp32 rounding level (docs/design.md §1.3)
     assert seen[0] != seen[1]  # the step changed the weights, and vLLM generates from the new ones
+
+
+def test_a_second_vllm_after_the_process_group_was_set_up_again(dims):
+    """A vLLM started after torch.distributed's default group was destroyed and made again (a new
+    run in the same process; a test after another) builds its groups anew instead of reusing the
+    first vLLM's stale ones ("not initialized in the world group map")."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    from megarl.engine.vllm_backend import VLLMEngine
+
+    args = tiny_args("llama", tie=True, **ARGS)
+    VLLMEngine(args, EngineConfig(max_batch_size=2, max_seq_len=32), seed=0, temperature=1.0)
+    stale = ps._WORLD
+    assert stale is not None
+    # what a teardown and a new set-up do between two runs: the default group is another one now
+    pg_map = dist.distributed_c10d._world.pg_map
+    saved = pg_map.pop(stale.device_group)
+    try:
+        engine = VLLMEngine(args, EngineConfig(max_batch_size=2, max_seq_len=32), seed=0, temperature=0.0)
+        assert ps._WORLD is not stale
+        params = SamplingParams(temperature=0.0, max_new_tokens=4)
+        out = engine.generate([Request(0, 0, [1, 2, 3], params)], step=0)
+        assert len(out[0].tokens) == 4
+    finally:
+        pg_map.setdefault(stale.device_group, saved)
