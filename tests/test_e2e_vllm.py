@@ -21,5 +21,6 @@ def test_smoke_run_on_the_vllm_backend(tmp_path):
         # pi_old / pi_vllm of the sampled tokens: 1 up to that rounding, so nothing is truncated
         assert abs(m["is_ratio"] - 1) < 1e-4 and 1 <= m["is_ratio_max"] < 1 + 1e-4, m
         assert m["is_clip_frac"] == 0, m
+        assert "entropy_mean" not in m  # vLLM reports no entropies: absent, not a collapse to 0
     assert len({m["weight_checksum"] for m in metrics}) == 3  # every step changed the weights vLLM ran
     assert (run_dir / "hf" / "model.safetensors").is_file()

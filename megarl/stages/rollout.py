@@ -314,7 +314,8 @@ class RolloutStage:
         return {**spec,
             "reward_mean": float(rewards.mean()),
             "reward_max": float(rewards.max()),
-            "entropy_mean": float(np.mean(ents)) if ents else 0.0,
+            # absent, not 0, when the engine reports no entropies (the vLLM backend): 0 would read as collapse
+            **({"entropy_mean": float(np.mean(ents))} if ents else {}),
             "response_len_mean": float(lens.mean()),
             "response_len_max": int(lens.max()),
             "response_len_p50": float(np.percentile(lens, 50)),
