@@ -6,11 +6,8 @@ import torch
 
 from megarl.engine import Engine, EngineConfig
 from megarl.models.hf_io import load_hf_model
-from megarl.spec.config import SpecConfig
-from megarl.spec.speculator import Speculator
-from tests.engine.test_scaled_rope_engine import LAYOUTS, check_against_hf, requests
+from tests.engine.test_scaled_rope_engine import LAYOUTS, check_against_hf, check_speculative_verify, requests
 from tests.models.test_sliding_window import WINDOW, hf_model
-from tests.spec.test_spec_engine import Scripted
 
 
 def setup(tmp_path, family):
@@ -35,12 +32,4 @@ def test_engine_matches_transformers(tmp_path, family, layout):
 
 def test_speculative_verify_matches_transformers(tmp_path):
     hf, model = setup(tmp_path, "qwen2")
-    cfg = EngineConfig(max_batch_size=3, max_seq_len=128, dtype="float64")
-    reqs = requests()
-    ref = Engine(model, cfg, seed=1).generate(reqs, step=2)
-    spec = Speculator(SpecConfig(enabled=True, sources=("group",), k_init=4, k_min=1, k_max=8, max_batch=3))
-    spec.sources = [Scripted(spec.cfg, {(r.uid, r.sample_idx): r.tokens for r in ref}, flip=0.3)]
-    out = Engine(model, cfg, seed=1, spec=spec).generate(reqs, step=2)
-    assert [r.tokens for r in out] == [r.tokens for r in ref]
-    assert sum(r.n_forwards for r in out) < sum(len(r.tokens) for r in out)  # drafts were accepted
-    check_against_hf(hf, model, reqs, out)
+    check_speculative_verify(hf, model)
