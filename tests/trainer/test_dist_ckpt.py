@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 
 WORKER = Path(__file__).parent / "dist_ckpt_worker.py"
 LAYOUTS = [(2, 1), (1, 1), (1, 2)]  # (tp, pp) on 2 ranks: the saving layout, TP=1 x DP=2, PP=2
@@ -171,7 +171,7 @@ def test_run_saved_at_tp2_resumes_at_dp2(tmp_path):
 
     from safetensors.torch import load_file
 
-    from .launch import ROOT
+    from tests.torchrun import ROOT
 
     cli = ROOT / "megarl" / "cli.py"
     common = ["--config", "configs/smoke.yaml", "--set", "trainer.checkpoint_format=torch_dist", "--set",

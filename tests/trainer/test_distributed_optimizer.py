@@ -11,7 +11,7 @@ from megarl.config import load_config
 from megarl.trainer.trainer import Trainer, TrainerConfig
 from megarl.resume import RunDirError, check_run_dir
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 from .test_trainer import make_batch, nll_loss
 
 WORKER = Path(__file__).parent / "dist_opt_worker.py"

@@ -6,7 +6,7 @@ import torch
 
 from megarl.trainer.trainer import Trainer, TrainerConfig
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 from .test_trainer import cpu_fp64_trainer, make_batch, nll_loss
 
 

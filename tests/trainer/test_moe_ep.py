@@ -10,7 +10,7 @@ from megarl.models import mcore_mapping as mm
 from megarl.models import mcore_sharding as ms
 from megarl.trainer.model import build_gpt_model, gpt_logits, load_state, transformer_config
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 from .moe_ep_worker import CASES, EP, case_args, rank_inputs
 from .shard_worker import logits_loss
 from .test_model import reference

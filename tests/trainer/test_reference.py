@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 
 WORKER = Path(__file__).parent / "reference_worker.py"
 

@@ -13,7 +13,7 @@ from megarl.trainer.model import build_gpt_model, gpt_logits, load_state
 from megarl.trainer.trainer import Trainer, TrainerConfig
 
 from tests.conftest import tiny_args
-from .launch import torchrun
+from tests.torchrun import torchrun
 from .shard_worker import CASES, LAYOUTS, TRAIN_STEPS, case_args, case_inputs, logits_loss, train_config, train_steps
 from .test_model import reference
 
