@@ -84,7 +84,7 @@ def hf_fwd_bwd(hf, batch, micro_batch: int, num_tokens: float) -> None:
     """The GRPO loss's forward/backward on the HF model, micro-batches of the Megatron trainer's
     rows (length order), each right padded to its longest row."""
     from megarl.rl.grpo import grpo_loss
-    from megarl.stream_train.micro_batches import length_order, micro_batches, row_lengths
+    from megarl.trainer.micro_batches import length_order, micro_batches, row_lengths
 
     hf.zero_grad(set_to_none=False)
     for mb in micro_batches(batch, micro_batch, length_order(batch)):
@@ -130,7 +130,7 @@ def main() -> None:
     from megarl.parallel.dist import init_parallel
     from megarl.rl.grpo import GRPOConfig, UpdateSpec, grpo_batch
     from megarl.stages.update import grpo_update
-    from megarl.stream_train.trainer import Trainer, TrainerConfig
+    from megarl.trainer.trainer import Trainer, TrainerConfig
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -12,7 +12,7 @@ What it times, all with ONE torch thread (torchrun gives each worker one, and th
    Each run is L engine iterations of B rows with context B*(p+i) at iteration i, plus one
    prompt-caching forward. Least squares fits ``a + b * rows + c * ctx`` per iteration
    (``decode_a, decode_b, decode_c``); the prefill line comes from timing prompt caching alone.
-2. **Trainer** (megarl/stream_train/trainer.py, Megatron-core on gloo, one process): old-logprob
+2. **Trainer** (megarl/trainer/trainer.py, Megatron-core on gloo, one process): old-logprob
    forward (``masked_logprobs``) and forward/backward (``accumulate``) of synthetic batches of
    several row counts and widths, fitted per micro-batch as ``a + b * padded tokens + c * padded
    tokens * width`` (attention is quadratic in the width); the
@@ -244,7 +244,7 @@ def fit_trainer(cfg, inputs, repeat: int, real: list[dict]) -> tuple[dict, dict]
     from megarl.stages.update import grpo_update
     from megarl.stream_train.stream import StreamUpdate
     from megarl.sim.hardware import LinearProfile
-    from megarl.stream_train.trainer import Trainer
+    from megarl.trainer.trainer import Trainer
 
     dims = init_parallel()
     try:

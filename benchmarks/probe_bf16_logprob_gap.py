@@ -17,7 +17,7 @@ import torch
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.hf_io import load_hf_model, load_hf_state_dict
 from megarl.parallel.dist import init_parallel, teardown
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer.trainer import Trainer, TrainerConfig
 
 
 def sample(path: str, n: int, new_tokens: int, vocab: int):

@@ -36,7 +36,7 @@ from megarl.sched.prompts import prompt_uids_for_step
 from megarl.setup_run import prepare_inputs
 from megarl.stages.rollout import RolloutStage
 from megarl.stages.update import grpo_update
-from megarl.stream_train.trainer import Trainer
+from megarl.trainer.trainer import Trainer
 from megarl.train import set_deterministic
 
 

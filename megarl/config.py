@@ -25,7 +25,7 @@ from megarl.stages.sft import SFTConfig
 from megarl.sched.tail import TailConfig
 from megarl.rl.task import TaskConfig
 from megarl.spec.config import SpecConfig
-from megarl.stream_train.trainer import TrainerConfig
+from megarl.trainer.trainer import TrainerConfig
 from megarl.utils.dataclass_config import ConfigError, apply_overrides, check_number, from_dict, to_dict
 from megarl.utils.metrics_log import LoggingConfig
 

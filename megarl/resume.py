@@ -129,7 +129,7 @@ def _check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
     state = read_state(ckpt)
     p = cfg.parallel
     saved = tuple(state.get(f"trainer_{k}", 1) for k in ("tp", "pp", "vpp"))
-    if state.get("trainer_format") == TRAINER_FORMAT:  # reshards over TP/PP/DP (megarl/stream_train/dist_ckpt.py)
+    if state.get("trainer_format") == TRAINER_FORMAT:  # reshards over TP/PP/DP (megarl/trainer/dist_ckpt.py)
         _check_folder_fits(ckpt, saved[2], bool(state.get("trainer_distributed_optimizer")), cfg)
     elif saved != (p.trainer_tp, p.trainer_pp, p.trainer_vpp):
         raise RunDirError(f"checkpoint {ckpt} was written with parallel.trainer_tp/pp/vpp={'/'.join(map(str, saved))}; "

@@ -44,9 +44,9 @@ from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, Tra
 from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.stages.sft import run_sft
 from megarl.stages.step import Run, StepResult, run_step
-from megarl.stream_train.model import parse_dtype
-from megarl.stream_train.reference import ShardedReference
-from megarl.stream_train.trainer import Trainer
+from megarl.trainer.model import parse_dtype
+from megarl.trainer.reference import ShardedReference
+from megarl.trainer.trainer import Trainer
 from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
 from megarl.utils.jsonl import append_line, truncate_to_step

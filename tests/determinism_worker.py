@@ -8,7 +8,7 @@ from megarl.parallel.checksum import tensor_checksum
 from megarl.rl.grpo import sft_loss
 from megarl.stages.sft import sft_batch
 from megarl.setup_run import prepare_inputs
-from megarl.stream_train.trainer import Trainer
+from megarl.trainer.trainer import Trainer
 from megarl.train import set_deterministic
 
 if sys.argv[1] == "1":

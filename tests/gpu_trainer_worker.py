@@ -8,7 +8,7 @@ from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_parallel, teardown
 from megarl.rl.grpo import sft_loss
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer.trainer import Trainer, TrainerConfig
 
 args = ModelArgs(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, model_type="qwen2", eos_token_id=1)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from megarl.config import load_config  # noqa: E402
 from megarl.models.init_weights import init_hf_state  # noqa: E402
 from megarl.setup_run import prepare_inputs  # noqa: E402
-from megarl.stream_train.model import parse_dtype  # noqa: E402
+from megarl.trainer.model import parse_dtype  # noqa: E402
 from megarl.train import train  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from megarl.checkpoint.convert import hf_to_mcore
 from megarl.sched.timeline import MIN_EVENT_S
 from tests.parallel_run_worker import MOE
-from tests.stream_train.launch import torchrun
+from tests.torchrun import torchrun
 
 WORKER = Path(__file__).parent / "parallel_run_worker.py"
 # fp32 training and rollout at an RL-sized learning rate: the bound (1e-6) for stream training.
@@ -26,7 +26,7 @@ L4 = "model.num_hidden_layers=4"
 BUBBLE = "spec.enabled=true,spec.bubble_pregen=true,spec.forward_cost_tokens=0,schedule.bubble_priority=normal"
 # name: (overrides, the single-process run it must equal)
 # One launch holds every run, so each layout costs a whole run (~8 s on 2 cores): a layout is here only if no other
-# covers it. TP=2 and PP=2 alone are checked step by step in tests/stream_train/test_sharding.py; here TP2xPP2 (with
+# covers it. TP=2 and PP=2 alone are checked step by step in tests/trainer/test_sharding.py; here TP2xPP2 (with
 # rollout TP=2 too), sharded checkpoints through the TP2xPP2xVPP2 resume, stream training at the fp32 bound
 # and with TP groups as rollout groups, bubble work with stream training (both kinds of bubble work).
 LAYOUTS = {

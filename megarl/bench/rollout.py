@@ -34,7 +34,7 @@ from megarl.rl.grpo import UpdateSpec
 from megarl.stages.update import grpo_update
 from megarl.setup_run import prepare_inputs
 from megarl.spec.speculator import Speculator
-from megarl.stream_train.trainer import Trainer
+from megarl.trainer.trainer import Trainer
 from megarl.train import set_deterministic
 from megarl.utils.fs import atomic_write_text
 

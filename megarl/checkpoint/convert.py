@@ -7,7 +7,7 @@ On-disk Megatron layout (a weights-only checkpoint; ``meta.json`` documents it):
     OUT/model_tp{t}_pp{p}_ep{e}.safetensors     rank (t, p, e)'s GPTModel piece: exactly
                                                 mcore_sharding.shard_rank(full, args, tp, pp, t, p, ep=, ep_rank=e)
                                                 (local names and shapes, vocab padded), so
-                                                stream_train.model.load_state(build_gpt_model(...), piece) works
+                                                trainer.model.load_state(build_gpt_model(...), piece) works
     OUT/model_tp{t}_pp{p}_vp{v}_ep{e}.safetensors  with virtual pipeline stages (vpp > 1): model chunk v
                                                 of rank (t, p, e), the piece of stage v*pp + p of a
                                                 pp*vpp-stage cut (mcore_sharding's docstring)
@@ -149,7 +149,7 @@ def _check_names_shapes(src: LazyTensors, expected: dict[str, tuple[int, ...]], 
 
 
 def _check_moe_tp(args: ModelArgs, tp: int) -> None:
-    if args.is_moe and tp > 1:  # the trainer's rule (stream_train.model._moe_config)
+    if args.is_moe and tp > 1:  # the trainer's rule (trainer.model._moe_config)
         raise ValueError(f"MoE models need tp=1 (got tp={tp}): megarl's trainer refuses MoE with TP > 1; "
                          f"split the experts with ep instead")
 

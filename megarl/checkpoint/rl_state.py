@@ -1,7 +1,7 @@
 """Resumable RL checkpoints: trainer state (model + optimizer) and loop state, written atomically.
 
 Layout: ``RUN_DIR/checkpoints/step_000010/{trainer/,state.json[,ref.pt]}``: ``trainer/`` is a
-Megatron-core distributed checkpoint (``torch_dist``, megarl/stream_train/dist_ckpt.py; state.json
+Megatron-core distributed checkpoint (``torch_dist``, megarl/trainer/dist_ckpt.py; state.json
 says ``"trainer_format": "torch_dist"``), which resumes on another TP/PP/DP layout and which
 Megatron-LM reads. Runs with virtual pipeline stages or processes that only generate, and
 checkpoints of older megarl, have ``trainer.pt`` instead, or one ``trainer_tp<t>_pp<p>.pt`` per
@@ -262,7 +262,7 @@ def load_checkpoint(path: str | Path, dims=None) -> tuple[dict[str, Any], dict[s
 
 def _load_folder(path: Path, loop_state: dict, dims, saved_vpp: int, vpp: int) -> tuple[dict, dict]:
     """A checkpoint in the reshardable format: the trainer loads its ``trainer/`` folder in any
-    TP/PP/DP layout (``dist_folder``, megarl/stream_train/dist_ckpt.py); virtual pipeline stages
+    TP/PP/DP layout (``dist_folder``, megarl/trainer/dist_ckpt.py); virtual pipeline stages
     write the per-piece format, so both sides have none."""
     if saved_vpp != vpp:
         raise ValueError(f"checkpoint {path} was written with trainer_vpp={saved_vpp}; this run has trainer_vpp={vpp}: "

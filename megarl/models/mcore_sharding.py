@@ -2,7 +2,7 @@
 
 The full dict is :func:`megarl.models.mcore_mapping.hf_to_mcore`'s output (TP=1, PP=1, EP=1 names
 and shapes). :func:`shard` cuts it into exactly what Megatron-core 0.16.1's ``GPTModel`` (local
-layer spec, as built by ``megarl.stream_train.model.build_gpt_model``) holds on rank ``(tp_rank,
+layer spec, as built by ``megarl.trainer.model.build_gpt_model``) holds on rank ``(tp_rank,
 pp_rank)`` (``(tp_rank, pp_rank, ep_rank)`` with expert parallelism); :func:`merge` puts the
 pieces back. Pure tensor code: no torch.distributed.
 

@@ -25,7 +25,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from megarl.parallel import cpu_compat
 from megarl.parallel.launch_env import export_launch_env
 
 logger = logging.getLogger(__name__)
@@ -215,7 +214,6 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
     # new_group is collective over the default group: every process creates the trainers' group
     trainer_group = dist.new_group(list(range(world))) if world < everyone else None
 
-    cpu_compat.install()  # no-op with CUDA
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised; call teardown() first")
     # Gloo side groups are only needed by the distributed optimizer's CPU paths; on CPU the

@@ -99,7 +99,7 @@ def work_fn(config: str | None, kind: str):
         fn = lambda i: eng.generate(reqs, step=i)
     else:
         from megarl.parallel.dist import init_parallel
-        from megarl.stream_train.trainer import Trainer
+        from megarl.trainer.trainer import Trainer
 
         trainer = Trainer(inputs.args, cfg.trainer, init_parallel(), seed=0, hf_dir=inputs.init_from_hf)
         b = train_batch(np.random.default_rng(0), inputs.args.vocab_size, 32, 128)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from megarl.rl.batching import dp_rows
 from megarl.rl.grpo import UpdateSpec, grpo_batch, grpo_loss_fn, trained_groups
-from megarl.stream_train.logprobs import ref_token_logprobs
+from megarl.trainer.logprobs import ref_token_logprobs
 
 
 def grpo_update(trainer, groups, spec: UpdateSpec, ref=None, old_forward: bool = False) -> dict[str, float]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megarl.parallel.collectives import group_device
 from megarl.rl.grpo import UpdateSpec, grpo_batch, grpo_loss_fn, has_signal, trained_groups
-from megarl.stream_train.logprobs import ref_token_logprobs
+from megarl.trainer.logprobs import ref_token_logprobs
 
 
 class StreamUpdate:

@@ -194,7 +194,7 @@ def dims():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_checkpoint_logits_match_transformers(tmp_path, dims, family):
-    from megarl.stream_train.model import build_gpt_model, gpt_logits, load_state
+    from megarl.trainer.model import build_gpt_model, gpt_logits, load_state
 
     hf = make_hf(family, tmp_path / "hf", seed=5)
     cv.hf_to_mcore(hf, tmp_path / "mc", tp=1, pp=1, progress=False)

@@ -11,7 +11,7 @@ import transformers
 from megarl.checkpoint import convert as cv
 from megarl.models.config import ModelArgs
 from megarl.models.hf_io import load_hf_model, load_hf_state_dict
-from megarl.stream_train.model import build_gpt_model, gpt_logits, load_state
+from megarl.trainer.model import build_gpt_model, gpt_logits, load_state
 from tests.checkpoint.test_convert import assert_same_tensors, dims, make_hf  # noqa: F401 (dims: fixture)
 from tests.models.test_rope_scaling import ROPES
 

@@ -8,7 +8,7 @@ import torch
 from megarl.engine.tp_model import check_tp, tp_divisors, tp_shard, tp_slice, tp_split, vocab_range
 from megarl.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from megarl.models.llama import CausalLM, attention
-from tests.stream_train.launch import torchrun
+from tests.torchrun import torchrun
 
 ARGS = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)

@@ -3,7 +3,7 @@ configs, and the HF <-> Megatron names of their layers, with expert-parallel sha
 
 transformers computes RMSNorm, the attention softmax, the router softmax and RoPE in float32
 even in a float64 model, so HF is a float32 reference here (megarl keeps float64 float64); the
-float64 exactness checks are megarl vs Megatron (tests/stream_train/test_moe_ep.py)."""
+float64 exactness checks are megarl vs Megatron (tests/trainer/test_moe_ep.py)."""
 import dataclasses
 import tempfile
 

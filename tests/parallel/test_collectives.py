@@ -105,7 +105,7 @@ def test_the_wrapper_refuses_a_cpu_tensor(nccl_marked):
 
 
 def test_step_metrics_reduce_on_the_group_device(nccl_marked):
-    from megarl.stream_train import step_metrics
+    from megarl.trainer import step_metrics
 
     dims = types.SimpleNamespace(dp=2, dp_group=nccl_marked(dist.group.WORLD))
     with pytest.raises(AskedForCuda):
@@ -113,7 +113,7 @@ def test_step_metrics_reduce_on_the_group_device(nccl_marked):
 
 
 def test_pipeline_broadcast_on_the_group_device(nccl_marked):
-    from megarl.stream_train.trainer import Trainer
+    from megarl.trainer.trainer import Trainer
 
     trainer = object.__new__(Trainer)
     trainer.dims = types.SimpleNamespace(pp=2, pp_group=nccl_marked(dist.group.WORLD), device=torch.device("cpu"))
@@ -161,7 +161,7 @@ def test_te_name_patch_applies_with_cuda(monkeypatch):
     ``install`` binds it whatever the device (it used to patch only on CPU)."""
     from megatron.core.transformer.moe import moe_utils
 
-    from megarl.parallel import cpu_compat
+    from megarl.trainer import cpu_compat
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed")

@@ -13,8 +13,8 @@ from megarl.models import mcore_sharding as ms
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.checksum import MODULUS, byte_checksum, weight_checksum
 from megarl.parallel.buckets import plan_buckets
-from tests.stream_train.conftest import tiny_args
-from tests.stream_train.launch import torchrun
+from tests.conftest import tiny_args
+from tests.torchrun import torchrun
 
 from .weight_sync_worker import BUCKET_MB, DENSE, DISAGG, LAYOUTS, MOE, SEED, WORLD, case_args
 

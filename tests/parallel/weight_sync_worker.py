@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 if __package__:  # imported by test_weight_sync.py (pytest)
-    from tests.stream_train.conftest import tiny_args
+    from tests.conftest import tiny_args
 else:  # run by torchrun as a script
     warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.stream_train.conftest import tiny_args
+    from tests.conftest import tiny_args
 
 from megarl.engine import Engine, EngineConfig
 from megarl.engine.tp_model import TPCausalLM, tp_shard
@@ -44,7 +44,7 @@ from megarl.parallel.dist import init_parallel, teardown
 from megarl.parallel.layout import Layout, ParallelConfig, create_rollout_groups
 from megarl.parallel.checksum import weight_checksum
 from megarl.parallel.weight_sync import WeightSync, WeightSyncError
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer.trainer import Trainer, TrainerConfig
 
 WORLD = 4
 # (trainer tp, pp, ep) -> rollout TPs synced into

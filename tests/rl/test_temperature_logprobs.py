@@ -19,9 +19,9 @@ from megarl.rl.grpo import UpdateSpec
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 from megarl.setup_run import prepare_inputs
-from megarl.stream_train import trainer as trainer_mod
-from megarl.stream_train.logprobs import vocab_parallel_logprobs
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer import trainer as trainer_mod
+from megarl.trainer.logprobs import vocab_parallel_logprobs
+from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.spec.test_spec_engine import _policy_with_entropy
 
 # fp64 Megatron training is a CPU-only mode (the Trainer refuses it on CUDA).
@@ -36,7 +36,7 @@ def dims():
     from megarl.parallel.dist import init_parallel, teardown
     if ps.model_parallel_is_initialized():
         # Another module's fixture holds the process's (one-process, TP=PP=1) Megatron state, e.g.
-        # tests/stream_train's session fixture when that directory ran first: use its groups.
+        # tests/conftest.py's session fixture when that directory ran first: use its groups.
         if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
             pytest.skip("Megatron parallel state of another layout is initialised")
         from megatron.core.process_groups_config import ProcessGroupCollection

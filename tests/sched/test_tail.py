@@ -11,7 +11,7 @@ from megarl.rl.data import epoch_order
 from megarl.rl.grpo import grpo_batch, logprob_diff_max
 from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.sched.tail import Round, TailBatcher, TailConfig
-from megarl.stream_train.logprobs import ref_token_logprobs
+from megarl.trainer.logprobs import ref_token_logprobs
 from megarl.setup_run import prepare_inputs
 from tests.spec.test_spec_engine import _policy_with_entropy
 

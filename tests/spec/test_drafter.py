@@ -17,7 +17,7 @@ from megarl.spec.config import DrafterConfig, SpecConfig
 from megarl.spec.drafter import load_drafter, save_drafter
 from megarl.spec.speculator import Speculator
 from tests.engine.test_engine import ARGS, engine, key, mixed_requests
-from tests.stream_train.launch import torchrun
+from tests.torchrun import torchrun
 
 
 def _target(seed=0):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.train import TIME_KEYS
-from tests.stream_train.launch import torchrun
+from tests.torchrun import torchrun
 
 WORKER = Path(__file__).with_name("drafter_run_worker.py")
 BASE = "rl_steps=3,rollout.max_new_tokens=24,rollout.dump=true"

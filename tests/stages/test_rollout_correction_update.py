@@ -10,7 +10,7 @@ from megarl.parallel.weight_sync import sync_weights
 from megarl.rl.grpo import GRPOConfig, UpdateSpec
 from megarl.stages.rollout import RolloutStage
 from megarl.stages.update import grpo_update
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.rl.test_temperature_logprobs import _setup, dims  # noqa: F401 (dims: the fixture)
 from tests.spec.test_spec_engine import _policy_with_entropy
 

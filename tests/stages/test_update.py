@@ -6,7 +6,7 @@ import torch
 
 from megarl.rl.grpo import UpdateSpec, grpo_batch, logprob_diff_max
 from megarl.stages.update import grpo_update
-from megarl.stream_train.trainer import Trainer, TrainerConfig
+from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.rl.test_temperature_logprobs import _setup, dims  # noqa: F401 (dims: the fixture)
 
 cpu_fp64 = pytest.mark.skipif(torch.cuda.is_available(), reason="fp64 Megatron training is a CPU-only test mode")

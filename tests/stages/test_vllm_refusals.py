@@ -4,7 +4,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.setup_run import check_vllm_backend
-from tests.stream_train.conftest import tiny_args
+from tests.conftest import tiny_args
 
 
 @pytest.mark.parametrize("sets,world,match", [
