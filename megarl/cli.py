@@ -348,16 +348,16 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "fetch":
             return _fetch(args)
-        if args.command == "plan":
-            from megarl.plan.cli import run_plan
-
-            return run_plan(args)
         if args.command == "convert":
             from megarl.checkpoint.convert_cli import run_convert
 
             run_convert(args)
             return 0
         cfg = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            from megarl.plan.cli import run_plan
+
+            return run_plan(args, cfg)
         if args.command == "config":
             print(dump_config(cfg), end="")
             return 0

@@ -88,9 +88,9 @@ def plan_json(p: Plan, device_gib: float) -> dict:
             "activation_bytes": p.per_token}
 
 
-def run_plan(args) -> int:
-    """``megarl plan``: print the plan; exit 0 when it fits, 1 when it does not (2: bad input)."""
-    from megarl.config import load_config
+def run_plan(args, cfg) -> int:
+    """``megarl plan`` for the loaded run config ``cfg``: print the plan; exit 0 when it fits, 1
+    when it does not (bad input raises: the CLI's one-line error, exit 2)."""
     from megarl.plan.advice import spec_from_run
     from megarl.plan.memory import plan
     from megarl.utils.dataclass_config import check_number
@@ -99,7 +99,6 @@ def run_plan(args) -> int:
     check_number("--gpus", args.gpus, ge=1, integer=True)
     check_number("--gpu-memory-gb", args.gpu_memory_gb, gt=0)
     check_number("--prompt-len", args.prompt_len, ge=1, integer=True)
-    cfg = load_config(args.config, args.overrides)
     margs = model_args(args.model) if args.model else _run_model(cfg)
     _check_layout(cfg, margs, args.gpus)
     seq_len = min(args.prompt_len + cfg.rollout.max_new_tokens, margs.max_position_embeddings)
