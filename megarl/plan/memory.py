@@ -30,6 +30,7 @@ from megarl.plan import activations as act
 from megarl.plan import params
 
 GIB = 1 << 30
+RESERVE = "runtime reserve"
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ class Plan:
         return kind, self.total(kind)
 
     def biggest(self, kind: str) -> Term:
-        return max(self.gpus[kind], key=lambda t: t.bytes)
+        """The largest term a setting can change (not the runtime reserve)."""
+        return max((t for t in self.gpus[kind] if t.name != RESERVE), key=lambda t: t.bytes)
 
     def fits(self, device_gib: float) -> bool:
         return self.peak()[1] <= device_gib * GIB
@@ -220,7 +222,7 @@ def plan(s: PlanSpec) -> Plan:
     per_token: dict[str, float] = {}
     trainer, engine = trainer_terms(s, per_token), engine_terms(s)
     sync = Term("weight-sync buffers", 2 * s.weight_sync_bucket_mb * (1 << 20), "one bucket each way")
-    reserve = [Term("runtime reserve", s.reserve_gib * GIB, "CUDA context, NCCL, allocator slack")] \
+    reserve = [Term(RESERVE, s.reserve_gib * GIB, "CUDA context, NCCL, allocator slack")] \
         if s.reserve_gib else []
     if s.placement == "disaggregated":
         gpus = {"trainer GPU": trainer + [sync] + reserve, "rollout GPU": engine + [sync] + reserve}

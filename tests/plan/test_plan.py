@@ -113,16 +113,16 @@ def test_plan_command_prints_the_table_and_says_whether_it_fits(tmp_path):
 
 def test_train_refuses_a_run_that_cannot_fit_before_writing(tmp_path):
     from megarl.config import load_config
-    from megarl.plan.advice import what_fits
+    from megarl.plan.advice import _candidates, what_fits
+    from megarl.setup_run import prepare_inputs
 
-    # configs/tiny.yaml planned on 1 CPU process with the check's defaults: find a memory size the
-    # run misses but one change would meet
+    # configs/tiny.yaml planned on 1 CPU process as the start plans it (its longest prompt + 320
+    # tokens): a memory size the run misses but one change of its settings would meet
     cfg = load_config(ROOT / "configs/tiny.yaml")
-    args = ModelArgs(vocab_size=_char_vocab(), hidden_size=128, intermediate_size=384, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    seq = 512  # at most max_position_embeddings: above the longest prompt + 320
-    need = plan(spec_from_run(cfg, args, 1, seq, "cpu", cfg.memory.reserve_gb)).peak()[1] / GIB
-    device = need - 0.01
+    inputs = prepare_inputs(cfg)  # (no memory size on CPU: not checked here)
+    spec = spec_from_run(cfg, inputs.args, 1, inputs.max_seq_len, "cpu", cfg.memory.reserve_gb)
+    need, fixed = plan(spec).peak()[1], min(plan(c).peak()[1] for _, c in _candidates(spec))
+    device = (need + fixed) / 2 / GIB
     run_dir = tmp_path / "run"
     proc = megarl("train", "--config", "configs/tiny.yaml", "--run-dir", str(run_dir),
                   "--set", f"memory.device_memory_gb={device}", "--set", "sft.steps=0", "--set", "rl_steps=0",
@@ -133,13 +133,7 @@ def test_train_refuses_a_run_that_cannot_fit_before_writing(tmp_path):
     assert "the biggest term is" in msg and "it would fit with" in msg
     assert not run_dir.exists()  # refused before anything was written
     fix = msg.split("it would fit with ")[1].split(" (")[0]
-    assert fix in [k for k, _ in what_fits(spec_from_run(cfg, args, 1, seq, "cpu", cfg.memory.reserve_gb), device)]
-
-
-def _char_vocab() -> int:
-    from megarl.rl.tokenizer import CharTokenizer
-
-    return CharTokenizer().vocab_size
+    assert fix in [k for k, _ in what_fits(spec, device)]
 
 
 def test_check_skips_cpu_runs_without_a_memory_size(monkeypatch):
