@@ -34,6 +34,7 @@ keeps ``exp(logits - max)`` in fp32: ``4 V / t`` per scored token, plus the laye
 from __future__ import annotations
 
 from megarl.models.config import ModelArgs
+from megarl.models.mcore_sharding import padded_vocab
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 RECOMPUTES = ("none", "selective", "full")
@@ -76,8 +77,6 @@ def _mlp_bytes(args: ModelArgs, tp: int, a: int) -> float:
 def head_bytes_per_scored_token(args: ModelArgs, tp: int, dtype: str) -> float:
     """Bytes kept per scored position by the output layer (its input) and the vocab-parallel
     log-softmax (fp32 ``exp(logits - max)`` over this rank's vocabulary slice)."""
-    from megarl.models.mcore_sharding import padded_vocab
-
     return 4 * padded_vocab(args.vocab_size, tp) / tp + DTYPE_BYTES[dtype] * args.hidden_size
 
 
@@ -85,7 +84,5 @@ def head_transient_per_scored_token(args: ModelArgs, tp: int, dtype: str) -> flo
     """Temporaries of the log-softmax beyond what it keeps, per scored position: the logits in
     the compute dtype, their fp32 copy (bf16) and ``logits - max`` in the forward; in the
     backward ``e / s`` and its product with the incoming gradient (fp32), cast back to the dtype."""
-    from megarl.models.mcore_sharding import padded_vocab
-
     a = DTYPE_BYTES[dtype]
     return (8 + a + (4 if a < 4 else 0)) * padded_vocab(args.vocab_size, tp) / tp

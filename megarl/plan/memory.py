@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from megarl.models.config import ModelArgs
+from megarl.models.mcore_sharding import padded_vocab
 from megarl.plan import activations as act
 from megarl.plan import params
 
@@ -178,7 +179,7 @@ def _activation_term(s: PlanSpec, stage_params: int, per_token: dict[str, float]
     total = per_token["per micro-batch token"] * tokens + per_token["per scored token"] * scored
     if s.recompute == "full":  # one layer recomputed whole while its backward runs
         total += act.layer_bytes_per_token(args, s.tp, s.trainer_dtype, "none", s.sequence_parallel) * tokens
-    from megarl.models.mcore_sharding import padded_vocab
+    # the output layer's weight gradient, made whole in the dtype before it is added to the fp32 main grad
     vocab_grad = act.DTYPE_BYTES[s.trainer_dtype] * padded_vocab(args.vocab_size, s.tp) // s.tp * args.hidden_size
     total += act.head_transient_per_scored_token(args, s.tp, s.trainer_dtype) * scored + vocab_grad
     # torch's multi-tensor Adam (CUDA, without Transformer Engine's fused one) keeps one fp32 copy
