@@ -27,23 +27,23 @@ def add_plan_parser(sub, add_config_args) -> None:
     p.add_argument("--json", help="also write the plan here as JSON")
 
 
-def model_args(path: str) -> ModelArgs:
-    """A model's shapes from a HF folder or a config.json file; a ValueError naming the file."""
+def model_args(path: str, key: str = "--model ") -> ModelArgs:
+    """A model's shapes from a HF folder or a config.json file; a ValueError naming ``key`` and the file."""
     f = Path(path)
     f = f / "config.json" if f.is_dir() else f
     if not f.is_file():
-        raise FileNotFoundError(f"--model {path}: no such file (expected a HF model folder or its config.json)")
+        raise FileNotFoundError(f"{key}{path}: no such file (expected a HF model folder or its config.json)")
     try:
         hf = json.loads(f.read_text())
         return ModelArgs.from_hf_config(hf)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"--model {f}: not a usable HF model config ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{key}{f}: not a usable HF model config ({type(e).__name__}: {e})") from None
 
 
 def _run_model(cfg) -> ModelArgs:
     """The run config's own model: its HF folder, or a fresh one of the synthetic task's vocabulary."""
     if cfg.model.init_from_hf:
-        return model_args(cfg.model.init_from_hf)
+        return model_args(cfg.model.init_from_hf, "model.init_from_hf=")
     if cfg.model.init_from_mcore:
         from megarl.checkpoint.convert import read_meta
 
