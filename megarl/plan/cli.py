@@ -57,7 +57,10 @@ def _run_model(cfg) -> ModelArgs:
     return ModelArgs(vocab_size=CharTokenizer().vocab_size, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
                      num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                     tie_word_embeddings=m.tie_word_embeddings, model_type=m.model_type)
+                     tie_word_embeddings=m.tie_word_embeddings, model_type=m.model_type,
+                     **({"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+                         "moe_intermediate_size": m.moe_intermediate_size or m.intermediate_size,
+                         "norm_topk_prob": m.norm_topk_prob} if m.num_experts else {}))
 
 
 def format_plan(p: Plan, device_gib: float) -> str:

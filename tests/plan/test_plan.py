@@ -27,8 +27,13 @@ def test_parameter_counts_by_hand_and_against_the_model():
     assert params.model_params(small()) == 1352
     from megarl.models.llama import CausalLM
 
-    for args in (small(), small(model_type="qwen2", tie_word_embeddings=True), small(model_type="qwen3")):
+    moe = small(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    for args in (small(), small(model_type="qwen2", tie_word_embeddings=True), small(model_type="qwen3"), moe):
         assert params.model_params(args) == sum(p.numel() for p in CausalLM(args).parameters()), args.model_type
+    # EP=2: each rank holds half of every layer's experts (router and the rest whole)
+    experts = 2 * 4 * 3 * 8 * 8
+    assert params.stage_params(moe, 1, 1, ep=2).expert == experts // 2
+    assert params.stage_params(moe, 1, 1, ep=2).dense + experts == params.model_params(moe)
     # Qwen2.5's published sizes: 7.62B and 32.8B parameters
     assert params.model_params(_qwen(QWEN7B)) == 7_615_616_512
     assert params.model_params(_qwen(QWEN32B)) == 32_763_876_352
