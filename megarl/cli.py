@@ -1,5 +1,5 @@
 """``megarl`` command line: ``train``, ``config``, ``bench``, ``generate``, ``eval``, ``convert``, ``report``,
-``simulate``.
+``simulate``, ``plan``.
 
 Bad input (config keys and ranges, missing or malformed files and data) ends with one
 ``megarl: error: ...`` line and exit status 2; no traceback, nothing written (a ``train`` refused
@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
 
     from megarl.model_cli import add_model_parsers
+    from megarl.plan.cli import add_plan_parser
+
+    add_plan_parser(sub, _add_config_args)
 
     add_model_parsers(sub, _add_config_args)
     return parser
@@ -351,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             run_convert(args)
             return 0
         cfg = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            from megarl.plan.cli import run_plan
+
+            return run_plan(args, cfg)
         if args.command == "config":
             print(dump_config(cfg), end="")
             return 0

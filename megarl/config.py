@@ -15,6 +15,7 @@ import yaml
 
 from megarl.parallel.layout import ParallelConfig
 from megarl.parallel.watchdog import WatchdogConfig
+from megarl.plan.config import MemoryConfig
 from megarl.sched.bubble import ScheduleConfig
 from megarl.rl.grpo import GRPOConfig
 from megarl.rl.reasoning_gym_data import ReasoningGymConfig
@@ -191,6 +192,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Process layout: trainer TP/PP/EP (DP is what is left of the world), rollout TP, placement.
     Launch N processes with ``torchrun --nproc_per_node N -m megarl.cli train ...`` (or srun)."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """The memory check at start: a run whose memory plan (``megarl plan``) does not fit its
+    devices is refused before anything is written (megarl/plan/)."""
 
     def __post_init__(self):
         check_number("seed", self.seed, ge=0, lt=2 ** 63, integer=True)

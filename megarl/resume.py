@@ -26,7 +26,7 @@ RECORD_CONFIG = "run_config"  # the run's config in every checkpoint's state.jso
 RESUME_MAY_CHANGE = ("rl_steps", "progress", "checkpoint_every", "keep_checkpoints", "logging.", "watchdog.",
                      "rollout.dump", "reward.workers", "schedule.bubble_priority", "parallel.weight_sync_bucket_mb",
                      "eval.every", "eval.samples", "eval.temperature", "eval.max_new_tokens", "eval.pass_threshold",
-                     "eval.greedy", "trainer.checkpoint_format")
+                     "eval.greedy", "trainer.checkpoint_format", "memory.")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,

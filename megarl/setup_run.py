@@ -23,6 +23,7 @@ from megarl.checkpoint.safetensors_stream import LazyTensors
 from megarl.models.hf_io import read_hf_config, safetensors_files
 from megarl.models.mcore_sharding import check_parallel
 from megarl.parallel.layout import Layout
+from megarl.plan.check import check_memory
 from megarl.rl.data import exact_answer_reward, load_jsonl_prompts
 from megarl.rl.humaneval import humaneval_reward, load_humaneval
 from megarl.rl.reasoning_gym_data import load_reasoning_gym
@@ -298,11 +299,12 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     max_seq_len = max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens
     held_out = held_out_set(cfg.eval, problems, prompt_ids, tokenizer, task, max_seq_len,
                             cfg.rollout.prompts_per_step)
+    layout = check_layout(cfg, args)
+    check_memory(cfg, args, layout.world_size, max_seq_len)  # a run that cannot fit its devices ends here
     return RunInputs(tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, max_seq_len=max_seq_len,
                      reward_fn=reward_fn, args=args,
                      init_from_hf=cfg.model.init_from_hf, init_from_mcore=cfg.model.init_from_mcore, task=task,
-                     layout=check_layout(cfg, args), data_sha256=data_digest(problems, prompt_ids),
-                     held_out=held_out)
+                     layout=layout, data_sha256=data_digest(problems, prompt_ids), held_out=held_out)
 
 
 def check_containment(cfg: RunConfig, reward_fn) -> None:
