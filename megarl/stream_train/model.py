@@ -25,6 +25,7 @@ from megarl.models.config import ModelArgs
 from megarl.models.rope import inv_freq_and_scale
 from megarl.parallel.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
+from megarl.stream_train.sequence_parallel import block_spec, check_length, gather_before_output_layer, local_length
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=dims.tp,
+        sequence_parallel=dims.sequence_parallel,  # megarl/stream_train/sequence_parallel.py
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         params_dtype=dtype,
@@ -198,6 +200,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
                 "importable" if transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype, recompute)
+    if dims.sequence_parallel:  # megarl/stream_train/sequence_parallel.py: norms that allow it
+        spec = block_spec(spec, cfg, vp_stage=chunk if dims.vpp > 1 else None)
     seed_megatron(seed, dims)
     model = GPTModel(
         config=cfg,
@@ -218,6 +222,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # WrappedTorchNorm builds RMSNorm weights in torch's default dtype, ignoring params_dtype;
     # cast so that every parameter has the model dtype (fp64 tests rely on it).
     model.to(device=dims.device, dtype=dtype)
+    gather_before_output_layer(model)
     if dtype == torch.float64 or args.rope_scaling is not None:
         # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype and knows neither HF's
         # llama3 nor its yarn frequencies: set megarl's CausalLM ones (megarl/models/rope.py), so that
@@ -382,6 +387,7 @@ def gpt_logits(model, input_ids: torch.Tensor, dims: ParallelDims | None = None,
         raise ValueError(f"gpt_logits runs one stage holding the whole model; with pp={dims.pp} "
                          f"use pipeline_logits (forward only)")
     input_ids = input_ids.to(next(model.parameters()).device)
+    check_length(input_ids.shape[1], dims)
     logits = model(input_ids, *_positions_and_mask(input_ids))
     if dims is None or dims.tp == 1:
         return logits if vocab_size is None else logits[..., :vocab_size]
@@ -402,6 +408,7 @@ def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_si
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != dims.vpp:
         raise ValueError(f"pipeline_logits got {len(chunks)} model chunks; this rank holds vpp={dims.vpp}")
+    check_length(input_ids.shape[1], dims)
     for c, m in enumerate(chunks):
         gpt = getattr(m, "module", m)
         device, dtype = next(gpt.parameters()).device, next(gpt.parameters()).dtype
@@ -409,7 +416,7 @@ def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_si
         b, t = ids.shape
         stage = dims.stage(c)
         if stage > 0:
-            hidden = torch.empty(t, b, gpt.config.hidden_size, dtype=dtype, device=device)
+            hidden = torch.empty(local_length(t, dims), b, gpt.config.hidden_size, dtype=dtype, device=device)
             dist.recv(hidden, group=dims.pp_group, group_src=(dims.pp_rank - 1) % dims.pp)
             gpt.set_input_tensor(hidden)
         out = m(ids, *_positions_and_mask(ids))

@@ -39,6 +39,7 @@ from megarl.stream_train import step_metrics
 from megarl.stream_train.logprobs import vocab_parallel_logprobs
 from megarl.stream_train.micro_batches import ModelInput, length_order, micro_batches, model_input, pad_rows
 from megarl.stream_train.model import build_gpt_model, load_hf_state, load_state, parse_dtype
+from megarl.stream_train.sequence_parallel import length_multiple
 from megarl.stream_train.trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,8 @@ class Trainer(TrainerState):
                 order = torch.cat([order, torch.arange(n, rows)])
             mbs = list(micro_batches(batch, size, order, trim=False))
         pack = self.pack and self.dims.vpp == 1
-        return [{**mb, "model_input": model_input(mb, pack)} for mb in mbs], order
+        multiple = length_multiple(self.dims)  # sequence parallelism splits the sequence over TP
+        return [{**mb, "model_input": model_input(mb, pack, multiple)} for mb in mbs], order
 
     def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None,
                           temperature: float = 1.0) -> list[dict]:

@@ -1,0 +1,56 @@
+"""Worker for test_sequence_parallel.py, run under torchrun on 2 processes with argv = (out_dir,).
+
+For each dtype (float64, float32), each of shard_worker's ``CASES`` and sequence parallelism off
+and on, every rank builds a TP=2 trainer from the same seeded weights and trains it for
+shard_worker's 2 GRPO steps (old logprobs, loss, grad norm per step), then saves the trained
+weights (HF names, gathered) and the logprobs of the trained model to ``out_dir/rank<r>.pt``.
+One launch for all: starting processes and importing Megatron costs far more than the tiny
+models. The test asserts."""
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+if __package__:
+    from .shard_worker import CASES, case_args, train_batch, train_steps
+    from .test_model import reference
+else:  # run by torchrun as a script
+    warnings.simplefilter("ignore")  # Megatron warns about missing apex/TE at import
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shard_worker import CASES, case_args, train_batch, train_steps
+    from test_model import reference
+
+from megarl.parallel.dist import init_parallel, teardown
+from megarl.stream_train.trainer import Trainer, TrainerConfig
+
+DTYPES = ("float64", "float32")
+
+
+def run(sp: bool, dtype: str) -> dict:
+    dims = init_parallel(tp=2, sequence_parallel=sp)
+    out = {}
+    for case in CASES:
+        args = case_args(*case)
+        cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, dtype=dtype, clip_grad=0.3, weight_decay=0.1)
+        trainer = Trainer(args, cfg, dims, hf_state=reference(args, seed=3, dtype=getattr(torch, dtype))
+                          .hf_state_dict(), seed=0)
+        assert trainer.gpt.config.sequence_parallel == sp
+        steps = train_steps(trainer, args)
+        batch = train_batch(args, 5)
+        out[case] = {"train": steps, "trained_hf": trainer.hf_state_dict(),
+                     "logprobs": trainer.masked_logprobs(batch["input_ids"], batch["loss_mask"]),
+                     "all_logprobs": trainer.token_logprobs(batch["input_ids"][:3, :11])}
+    teardown(dataclasses.replace(dims, owns_process_group=False))  # keep the process group for the next run
+    return out
+
+
+def main(out_dir: str) -> None:
+    results = {(dtype, sp): run(sp, dtype) for dtype in DTYPES for sp in (False, True)}
+    torch.save(results, Path(out_dir) / f"rank{torch.distributed.get_rank()}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
