@@ -41,6 +41,11 @@ MEGARL_KEY = "megarl"  # (dist_ckpt's: a run's trainer checkpoint records its HF
 DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
 
 
+def is_torch_dist(folder: str | Path) -> bool:
+    """Whether ``folder`` is a Megatron-core distributed checkpoint (Megatron's ``metadata.json``)."""
+    return (Path(folder) / "metadata.json").is_file()
+
+
 def _one_process(dims: ParallelDims | None):
     """``dims`` when given (it must be a TP=1 PP=1 world of one), else a fresh world of one."""
     if dims is None:
@@ -92,7 +97,7 @@ def checkpoint_hf_config(ckpt: str | Path, hf_config: str | Path | None = None) 
     from megatron.core import dist_checkpointing
 
     ckpt = Path(ckpt)
-    if not (ckpt / "metadata.json").is_file():
+    if not is_torch_dist(ckpt):
         raise FileNotFoundError(f"{ckpt} is not a Megatron distributed checkpoint (no metadata.json); expected a "
                                 f"folder written by `megarl convert hf-to-torch-dist` or a run's checkpoints/"
                                 f"step_N/trainer with trainer.checkpoint_format=torch_dist")
@@ -118,14 +123,20 @@ def _checkpoint_dtype(ckpt: Path) -> torch.dtype:
     raise ValueError(f"{ckpt} holds no embedding.word_embeddings.weight: not a GPT model checkpoint")
 
 
-def load_torch_dist_model(ckpt: str | Path, args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
-    """A GPTModel of ``dims``' layout in ``dtype`` with the ``model`` weights of ``ckpt`` (any
-    layout wrote them), through Megatron-core's ``dist_checkpointing.load``. Collective."""
+def load_model_weights(model, ckpt: str | Path) -> None:
+    """Load the ``model`` weights of torch_dist folder ``ckpt`` (any layout wrote them) into this
+    rank's GPTModel piece ``model`` (any layout), through Megatron-core's ``dist_checkpointing.load``
+    (which casts to the model's dtype). Collective over every process of the default group."""
     from megatron.core import dist_checkpointing
 
-    model = build_gpt_model(args, dims, dtype)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
     model.load_state_dict(loaded["model"], strict=True)
+
+
+def load_torch_dist_model(ckpt: str | Path, args: ModelArgs, dims: ParallelDims, dtype: torch.dtype):
+    """A GPTModel of ``dims``' layout in ``dtype`` with the ``model`` weights of ``ckpt``. Collective."""
+    model = build_gpt_model(args, dims, dtype)
+    load_model_weights(model, ckpt)
     return model
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.config import ModelArgs
-from megarl.checkpoint.convert import load_piece, read_hf_piece
+from megarl.checkpoint.convert import read_hf_piece
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.collectives import group_device
 from megarl.parallel.dist import ParallelDims, trainer_world
@@ -126,8 +126,8 @@ class Trainer(TrainerState):
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0, hf_dir: str | None = None,
                  mcore_dir: str | None = None):
         """Starting weights: ``hf_dir`` (a HF folder: this rank reads only its own piece, see
-        :func:`megarl.checkpoint.convert.read_hf_piece`), or ``mcore_dir`` (a folder written by
-        ``megarl convert hf-to-mcore`` in this layout: this rank reads its own piece files), else
+        :func:`megarl.checkpoint.convert.read_hf_piece`), or ``mcore_dir`` (``megarl convert hf-to-mcore``'s
+        folder of this layout, or a torch_dist folder of any: ``TrainerState._load_mcore_start``), else
         ``hf_state`` (full HF-named tensors), else fresh ones drawn from ``seed``
         (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
         if sum(x is not None for x in (hf_dir, mcore_dir, hf_state)) > 1:
@@ -169,9 +169,8 @@ class Trainer(TrainerState):
             if hf_dir is not None:
                 load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
-            elif mcore_dir is not None:
-                load_state(model, load_piece(mcore_dir, dims.tp_rank, dims.pp_rank, dims.ep_rank,
-                                             vp=chunk if dims.vpp > 1 else None))
+            elif mcore_dir is not None:  # converted pieces of this layout, or a torch_dist folder (any)
+                self._load_mcore_start(model, mcore_dir, chunk)
             else:
                 load_hf_state(model, hf_state, args, dims, chunk=chunk)
             mcfg = model.config

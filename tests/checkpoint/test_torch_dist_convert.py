@@ -112,3 +112,28 @@ def test_cli(tmp_path):
     assert f"wrote {tmp_path / 'td'}" in proc.stdout and (tmp_path / "td" / "metadata.json").is_file()
     with pytest.raises(ValueError, match="runs as `megarl convert torch-dist-to-hf`"):
         main_convert(["torch-dist-to-hf", "--ckpt", str(tmp_path / "td"), "--out", str(tmp_path / "back")])
+
+
+def test_a_run_starts_from_the_converted_folder(dims, tmp_path):
+    """model.init_from_mcore with a torch_dist folder: the run's model is the checkpoint's (its
+    recorded HF config), the trainer starts at the HF weights bitwise, and a layout that cannot
+    load it collectively is refused at start with the fix."""
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.setup_run import prepare_inputs
+    from megarl.stream_train.trainer import Trainer, TrainerConfig
+
+    hf = make_hf("llama_tied", tmp_path / "hf")
+    dc.hf_to_torch_dist(hf, tmp_path / "td", dims=dims)
+    config = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+    start = [f"model.init_from_mcore={tmp_path / 'td'}", "rollout.max_new_tokens=32"]  # (the model's 64 positions)
+    args = prepare_inputs(load_config(config, start)).args
+    assert args == ModelArgs.from_hf_config(json.loads((hf / "config.json").read_text()))
+    trainer = Trainer(args, TrainerConfig(), dims, mcore_dir=str(tmp_path / "td"), seed=1)
+    want = load_hf_state_dict(hf)
+    want.pop("lm_head.weight", None)
+    assert_same_tensors(trainer.hf_state_dict(), want)
+    with pytest.raises(ValueError, match="torch_dist folder.*needs parallel.placement=colocated and "
+                                         "parallel.trainer_vpp=1.*torch-dist-to-hf"):
+        prepare_inputs(load_config(config, [*start, "parallel.trainer_pp=2", "parallel.trainer_vpp=2"]))

@@ -1,11 +1,13 @@
-"""Worker for test_sequence_parallel.py, run under torchrun on 2 processes with argv = (out_dir,).
+"""Worker for test_sequence_parallel.py, run under torchrun on 2 processes with argv = (out_dir,
+torch_dist_dir).
 
 For each dtype (float64, float32), each of shard_worker's ``CASES`` and sequence parallelism off
 and on, every rank builds a TP=2 trainer from the same seeded weights and trains it for
 shard_worker's 2 GRPO steps (old logprobs, loss, grad norm per step), then saves the trained
 weights (HF names, gathered) and the logprobs of the trained model to ``out_dir/rank<r>.pt``.
 One launch for all: starting processes and importing Megatron costs far more than the tiny
-models. The test asserts."""
+models. Last, a TP=2 trainer with sequence parallelism starts from ``torch_dist_dir`` (written by
+``megarl convert hf-to-torch-dist`` at TP=1) and saves the weights it holds. The test asserts."""
 import dataclasses
 import sys
 import warnings
@@ -46,11 +48,24 @@ def run(sp: bool, dtype: str) -> dict:
     return out
 
 
-def main(out_dir: str) -> None:
+def start_from(folder: str) -> dict:
+    """The weights of a TP=2 (sequence-parallel) trainer started from torch_dist ``folder``."""
+    from megarl.models.config import ModelArgs
+    from megarl.stream_train.dist_convert import checkpoint_hf_config
+
+    dims = init_parallel(tp=2, sequence_parallel=True)
+    args = ModelArgs.from_hf_config(checkpoint_hf_config(folder))
+    hf = Trainer(args, TrainerConfig(), dims, mcore_dir=folder, seed=1).hf_state_dict()
+    teardown(dataclasses.replace(dims, owns_process_group=False))
+    return hf
+
+
+def main(out_dir: str, torch_dist_dir: str) -> None:
     results = {(dtype, sp): run(sp, dtype) for dtype in DTYPES for sp in (False, True)}
+    results["started_from_torch_dist"] = start_from(torch_dist_dir)
     torch.save(results, Path(out_dir) / f"rank{torch.distributed.get_rank()}.pt")
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -21,9 +21,20 @@ LOGPROB_TOL = {"float64": 1e-12, "float32": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def sp_runs(tmp_path_factory):
+def converted(dims, tmp_path_factory):
+    """A tiny HF model and its ``megarl convert hf-to-torch-dist`` folder (written at TP=1)."""
+    from megarl.stream_train.dist_convert import hf_to_torch_dist
+    from tests.checkpoint.test_convert import make_hf
+
+    root = tmp_path_factory.mktemp("converted")
+    hf = make_hf("qwen2", root / "hf")
+    return hf, hf_to_torch_dist(hf, root / "td", dims=dims)
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory, converted):
     out = tmp_path_factory.mktemp("sequence_parallel")
-    torchrun(Path(__file__).parent / "sp_worker.py", 2, str(out))
+    torchrun(Path(__file__).parent / "sp_worker.py", 2, str(out), str(converted[1]))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -83,3 +94,15 @@ def test_sequence_parallel_needs_tp2():
     ParallelConfig(sequence_parallel=True, trainer_tp=2)
     with pytest.raises(ValueError, match=r"sequence_parallel=True .* needs tp >= 2 \(got tp=1\)"):
         init_parallel(tp=1, sequence_parallel=True)
+
+
+@pytest.mark.multiproc
+def test_tp2_trainer_starts_from_a_converted_torch_dist_folder(sp_runs, converted):
+    """model.init_from_mcore with a torch_dist folder converted at TP=1: a TP=2 trainer (sequence
+    parallel) holds the HF weights bitwise (Megatron resharded them on load)."""
+    from megarl.models.hf_io import load_hf_state_dict
+
+    want = load_hf_state_dict(converted[0])
+    for rank in sp_runs:
+        got = rank["started_from_torch_dist"]
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
