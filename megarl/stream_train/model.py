@@ -133,7 +133,7 @@ def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
         return {}
     if dims.tp > 1:
         # Megatron's MoE layer refuses to train with TP > 1 unless sequence parallelism splits
-        # the activations along the sequence, a layout gpt_logits and the trainer do not use.
+        # the activations along the sequence; MoE with TP and sequence parallelism is untried here.
         raise ValueError(f"MoE models need tp=1 (got tp={dims.tp}): split the experts with expert "
                          f"parallelism (ep) instead")
     if args.num_experts_per_tok == 1 and args.norm_topk_prob:
