@@ -15,15 +15,14 @@ Three things around the model are megarl's:
   Engine) refuses sequence parallelism: megarl's layers take :func:`norm_class`'s, the same
   ``torch.nn.RMSNorm`` with its weight tagged ``sequence_parallel`` as Megatron's fused norms tag
   theirs, so that ``finalize_model_grads`` sums its gradient over TP (:func:`block_spec`).
-
 - The output layer. The trainer scores only the loss mask's positions (``Trainer._select_hidden``
   picks them from the [s, b, h] hidden states), and those span every rank's part of the sequence.
   So the final norm's output is gathered over TP *before* the output layer (backward: the
   reduce-scatter that sums the vocab slices' partial input gradients), and the output layer runs
   without its own sequence gather, as Megatron's GPTModel does for its inference path's
   last-token logits (:func:`gather_before_output_layer`).
-- The length: the sequence must split evenly over TP, so the trainer pads each packed
-  micro-batch to a multiple of ``tp`` (:func:`megarl.stream_train.micro_batches.model_input`);
+- The length: the sequence must split evenly over TP, so the trainer pads each micro-batch
+  (packed or right padded) to a multiple of ``tp`` (:func:`megarl.stream_train.micro_batches.model_input`);
   callers of ``gpt_logits`` / ``pipeline_logits`` pass such lengths (:func:`check_length`).
 """
 from __future__ import annotations
