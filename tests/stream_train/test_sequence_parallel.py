@@ -106,3 +106,25 @@ def test_tp2_trainer_starts_from_a_converted_torch_dist_folder(sp_runs, converte
     for rank in sp_runs:
         got = rank["started_from_torch_dist"]
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture(scope="module")
+def sp_pp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_parallel_pp")
+    torchrun(Path(__file__).parent / "sp_worker.py", 4, str(out), "-")
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.multiproc
+def test_sequence_parallel_with_pipeline_stages(sp_pp_runs):
+    """TP=2 x PP=2 (1F1B; the stages exchange [tokens / TP] activations): the same check in fp64."""
+    for rank in sp_pp_runs:
+        off, on = rank[("float64", False)], rank[("float64", True)]
+        for case in CASES:
+            a, b = off[case], on[case]
+            for step in range(TRAIN_STEPS):
+                diff = (a["train"][step]["old_logprobs"] - b["train"][step]["old_logprobs"]).abs().max().item()
+                assert diff <= LOGPROB_TOL["float64"], (case, step, diff)
+            diff = max((a["trained_hf"][k] - v).abs().max().item() for k, v in b["trained_hf"].items())
+            assert diff <= WEIGHT_TOL["float64"], (case, diff)
+            assert (a["logprobs"] - b["logprobs"]).abs().max().item() <= LOGPROB_TOL["float64"], case
