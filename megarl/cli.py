@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             return _fetch(args)
         if args.command == "convert":
             from megarl.checkpoint.convert_cli import run_convert
+            from megarl.trainer.dist_convert import DIRECTIONS, run_dist_convert
 
-            run_convert(args)
+            run_dist_convert(args) if args.direction in DIRECTIONS else run_convert(args)
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "plan":

@@ -41,8 +41,10 @@ class ModelConfig:
     init_from_mcore: str | None = None
     """Or a folder written by ``megarl convert hf-to-mcore`` (meta.json + one safetensors file per
     trainer piece) to start from: its tp/pp/vpp/ep must be this run's ``parallel.trainer_*``
-    sizes, and each trainer process reads only its own pieces. Its tokenizer files (copied by
-    the converter) serve as ``data.tokenizer_path``'s default."""
+    sizes, and each trainer process reads only its own pieces. Or a Megatron-core torch_dist
+    folder (``megarl convert hf-to-torch-dist``, a run's ``checkpoints/step_N/trainer``), which
+    loads in any colocated layout without virtual stages. Its tokenizer files (copied by the
+    converter) serve as ``data.tokenizer_path``'s default."""
     model_type: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
     """Architecture family of a fresh model (``qwen3_moe`` and ``mixtral`` are MoE: see the
     ``num_experts`` fields)."""

@@ -336,12 +336,34 @@ def _check_drafter_start(cfg: RunConfig, args: ModelArgs) -> None:
             raise ValueError(f"spec.drafter.init_from={d.init_from}: {e}") from e
 
 
+def _check_torch_dist_start(cfg: RunConfig, tokenizer_vocab: int) -> ModelArgs:
+    """The model of a ``model.init_from_mcore`` torch_dist folder (``megarl convert hf-to-torch-dist``
+    or a run's trainer checkpoint): its recorded HF config, in a layout that loads it."""
+    from megarl.trainer.dist_convert import checkpoint_hf_config
+
+    path, p = cfg.model.init_from_mcore, cfg.parallel
+    if p.placement == "disaggregated" or p.trainer_vpp > 1:
+        raise ValueError(f"model.init_from_mcore={path} is a torch_dist folder, whose load is collective over every "
+                         f"process: it needs parallel.placement=colocated and parallel.trainer_vpp=1 (this run has "
+                         f"placement={p.placement}, trainer_vpp={p.trainer_vpp}); or start from its HF folder "
+                         f"(`megarl convert torch-dist-to-hf`) with model.init_from_hf")
+    args = ModelArgs.from_hf_config(checkpoint_hf_config(path))
+    if args.vocab_size < tokenizer_vocab:
+        raise ValueError(f"model.init_from_mcore vocab_size={args.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer_vocab}")
+    return args
+
+
 def _check_mcore_start(cfg: RunConfig, tokenizer_vocab: int) -> ModelArgs:
     """The model of ``model.init_from_mcore``, after checking (meta.json and every piece's header
     on the converter's checks) that it is a complete checkpoint in this run's trainer layout."""
     from megarl.checkpoint.convert import read_meta
 
+    from megarl.trainer.dist_convert import is_torch_dist
+
     path, p = cfg.model.init_from_mcore, cfg.parallel
+    if is_torch_dist(path):  # any layout: Megatron reshards on load (megarl/trainer/dist_convert.py)
+        return _check_torch_dist_start(cfg, tokenizer_vocab)
     meta, args = read_meta(path)  # corrupted meta, missing pieces: a clear error here
     want = {"tp": p.trainer_tp, "pp": p.trainer_pp, "vpp": p.trainer_vpp, "ep": p.trainer_ep}
     got = {k: meta[k] for k in want}

@@ -95,7 +95,7 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
     if p.placement == "disaggregated":
         trainers = int(os.environ.get("WORLD_SIZE", "1")) - p.rollout_ranks
     dims = init_distributed(tp=p.trainer_tp, pp=p.trainer_pp, ep=p.trainer_ep, vpp=p.trainer_vpp,
-                            trainer_ranks=trainers)
+                            trainer_ranks=trainers, sequence_parallel=p.sequence_parallel)
     try:
         # Inside the try: the watchdog stops (a store barrier) before the process group goes, and
         # before PreemptSignals raises Preempted (exit 75) after a signal's checkpoint.

@@ -1,5 +1,7 @@
 """``megarl convert``: HF <-> Megatron pieces (megarl/checkpoint/convert.py) and GGUF -> HF
-(megarl/models/gguf.py), as a subcommand of ``megarl`` and as ``python -m megarl.checkpoint.convert_cli``."""
+(megarl/models/gguf.py), as a subcommand of ``megarl`` and as ``python -m megarl.checkpoint.convert_cli``;
+and the parsers of HF <-> Megatron-core torch_dist, which only ``megarl convert`` runs
+(megarl/trainer/dist_convert.py: the trainer's side of the package layers)."""
 from __future__ import annotations
 
 import argparse
@@ -32,13 +34,26 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights' dtype (default float32: the dequantised values exactly)")
-    for q in (a, b, c):
+    d = sub.add_parser("hf-to-torch-dist", help="HF folder -> Megatron-core distributed checkpoint (torch_dist, the "
+                                               "format Megatron-LM loads; reshards on load into any TP/PP layout)")
+    d.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    d.add_argument("--out", required=True, help="output folder (must be absent or empty unless --force)")
+    e = sub.add_parser("torch-dist-to-hf", help="Megatron-core distributed checkpoint (torch_dist: from hf-to-torch-dist, "
+                                               "a run's checkpoints/step_N/trainer, Megatron-LM) -> HF folder")
+    e.add_argument("--ckpt", required=True, help="the torch_dist checkpoint folder (metadata.json, *.distcp)")
+    e.add_argument("--out", required=True, help="output HF folder (must be absent or empty unless --force)")
+    e.add_argument("--hf-config", help="HF folder whose config.json (and tokenizer) describe the model, for a "
+                                       "checkpoint that records none")
+    for q in (a, b, c, d, e):
         q.add_argument("--force", action="store_true", help="replace a non-empty --out")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def run_convert(args: argparse.Namespace) -> ConvertReport | None:
+    if args.direction in ("hf-to-torch-dist", "torch-dist-to-hf"):  # Megatron's format: the trainer's side
+        raise ValueError(f"convert {args.direction} runs as `megarl convert {args.direction}` (megarl/trainer/"
+                         f"dist_convert.py)")
     if args.direction == "gguf-to-hf":
         from megarl.models.gguf import gguf_to_hf
 

@@ -79,6 +79,9 @@ class ParallelDims:
     trainer_group: dist.ProcessGroup | None = None
     """The trainer processes when they are not the whole world (disaggregated placement: Megatron's
     "world"); None when every process trains (then it is the default group)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs ``tp`` > 1): outside the TP linears (embedding output,
+    layernorms, residuals) each TP rank holds 1/tp of the sequence instead of all of it."""
 
     @property
     def trains(self) -> bool:
@@ -164,7 +167,7 @@ def trainer_world(dims: ParallelDims):
 
 
 def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1, vpp: int = 1,
-                  trainer_ranks: int | None = None) -> ParallelDims:
+                  trainer_ranks: int | None = None, sequence_parallel: bool = False) -> ParallelDims:
     """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
     Megatron's model-parallel state; return the groups as a :class:`ParallelDims`.
 
@@ -175,7 +178,11 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
     ``trainer_ranks`` (disaggregated placement): only the first ``trainer_ranks`` processes train;
     Megatron's parallel state is built over them as its whole world (every process still takes
     part in creating the groups, which is collective), and the others get a ``role="rollout"``
-    :class:`ParallelDims` without trainer groups. None: every process trains."""
+    :class:`ParallelDims` without trainer groups. None: every process trains.
+    ``sequence_parallel``: the trainer's sequence parallelism (:attr:`ParallelDims.sequence_parallel`)."""
+    if sequence_parallel and tp < 2:
+        raise ValueError(f"sequence_parallel=True splits the sequence over the tensor-parallel ranks and needs tp >= 2 "
+                         f"(got tp={tp}): set tp >= 2 or sequence_parallel=False")
     if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
         raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
     if vpp > 1 and pp < 2:
@@ -228,7 +235,8 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
                                      create_gloo_process_groups=cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sizes = dict(world_size=everyone, rank=rank, tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, vpp=vpp,
-                 backend=backend, device=device, owns_process_group=owns, trainer_group=trainer_group)
+                 backend=backend, device=device, owns_process_group=owns, trainer_group=trainer_group,
+                 sequence_parallel=sequence_parallel)
     if rank >= world:
         dims = ParallelDims(tp_group=None, pp_group=None, dp_group=None, pg_collection=None, role="rollout", **sizes)
     else:
@@ -236,8 +244,8 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
         dims = ParallelDims(tp_group=pgs.tp, pp_group=pgs.pp, dp_group=pgs.dp, pg_collection=pgs,
                             ep_group=pgs.ep, expt_dp_group=pgs.expt_dp,
                             role="both" if world == everyone else "trainer", **sizes)
-    logger.info("parallel init: backend=%s world=%d trainers=%d tp=%d pp=%d vpp=%d dp=%d ep=%d role=%s", backend,
-                everyone, world, tp, pp, vpp, dims.dp, ep, dims.role)
+    logger.info("parallel init: backend=%s world=%d trainers=%d tp=%d pp=%d vpp=%d dp=%d ep=%d sp=%s role=%s", backend,
+                everyone, world, tp, pp, vpp, dims.dp, ep, sequence_parallel, dims.role)
     return dims
 
 

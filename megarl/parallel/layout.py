@@ -41,6 +41,11 @@ class ParallelConfig:
     shrinks the pipeline bubble by this factor): the layers are cut into trainer_pp * trainer_vpp
     stages, each rank holding every pp-th one. Needs trainer_pp >= 2; trainer_pp * trainer_vpp
     must divide the number of layers."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism in the trainer (needs trainer_tp >= 2): the activations outside
+    the TP linears (embedding output, layernorms, residuals) are split along the sequence over the
+    TP ranks, 1/trainer_tp of them per rank; a micro-batch's packed tokens are padded to a multiple
+    of trainer_tp. The same update, up to rounding."""
     trainer_ep: int = 1
     """Expert-parallel size of the trainer (MoE models; divides the experts and the trainer's
     data-parallel size)."""
@@ -62,6 +67,10 @@ class ParallelConfig:
         if self.trainer_vpp > 1 and self.trainer_pp < 2:
             raise ValueError(f"parallel.trainer_vpp={self.trainer_vpp} needs pipeline parallelism (trainer_pp >= 2, "
                              f"got trainer_pp={self.trainer_pp}); valid: trainer_pp >= 2 or trainer_vpp=1")
+        if self.sequence_parallel and self.trainer_tp < 2:
+            raise ValueError(f"parallel.sequence_parallel=true splits the sequence over the trainer's tensor-parallel "
+                             f"ranks and needs parallel.trainer_tp >= 2 (got trainer_tp={self.trainer_tp}): set "
+                             f"trainer_tp >= 2 or sequence_parallel=false")
         if not 0 < self.weight_sync_bucket_mb < float("inf"):
             raise ValueError(f"parallel.weight_sync_bucket_mb={self.weight_sync_bucket_mb} is invalid; valid range: > 0")
         if self.rollout_ranks < 0:

@@ -17,8 +17,8 @@ How it is done, from least to most invasive:
   RNG through private torch APIs.
 - **Missing names** that Megatron references without defining them when TE is absent.
 
-Later work (TP/PP/EP over gloo) adds module names to ``_SHIMMED_MODULES`` or a new ``_patch_*``
-function to ``_PATCHES`` below, with a comment saying why.
+Later work adds module names to ``_SHIMMED_MODULES`` (this file being full: to a module beside it,
+as ``cpu_compat_sp.py``) or a ``_patch_*`` function to ``_PATCHES``, with a comment saying why.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from megarl.trainer.cpu_compat_optimizer import patch_optimizer_param_sort
+from megarl.trainer.cpu_compat_sp import SEQUENCE_PARALLEL_SHIMS
 
 logger = logging.getLogger(__name__)
 
@@ -200,8 +201,8 @@ _cpu_torch = _CpuTorch()
 
 
 def _patch_shim_modules() -> None:
-    """Replace the global ``torch`` of each module in ``_SHIMMED_MODULES`` by the CPU proxy."""
-    for name in _SHIMMED_MODULES:
+    """Replace the global ``torch`` of each module in ``_SHIMMED_MODULES`` (and ``cpu_compat_sp``'s) by the CPU proxy."""
+    for name in (*_SHIMMED_MODULES, *SEQUENCE_PARALLEL_SHIMS):
         mod = importlib.import_module(name)
         if getattr(mod, "torch", None) is torch:
             mod.torch = _cpu_torch
@@ -402,8 +403,7 @@ _PATCHES: list[Callable[[], None]] = [
     _patch_clip_grads,
     patch_optimizer_param_sort,
     _patch_tied_embedding_copy,
-    _patch_moe_router_fp64,
-    _patch_moe_host_splits,
+    _patch_moe_router_fp64, _patch_moe_host_splits,
     _patch_p2p_directions,
 ]
 

@@ -14,7 +14,8 @@ plus Megatron's ``metadata.json`` and ``common.pt``):
 - ``model`` (``model0``, ``model1``, ... with virtual pipeline stages): the GPTModel's tensors
   under Megatron's global names (``decoder.layers.3.mlp.linear_fc1.weight``, ...);
 - ``optimizer``: Megatron's sharded optimizer state (absent before the optimizer's first step);
-- ``megarl``: what the trainer needs beyond them (steps done, lr, dtype, optimizer kind).
+- ``megarl``: what the trainer needs beyond them (steps done, lr, dtype, optimizer kind), and the
+  model's HF ``config.json`` (``megarl convert torch-dist-to-hf`` reads it).
 
 A plain ``megatron.core.dist_checkpointing.load`` of the folder, with a Megatron model's
 ``sharded_state_dict()`` under ``model``, loads the weights outside megarl.
@@ -73,7 +74,9 @@ def save_trainer(trainer, folder: str | Path) -> None:
     stepped = trainer._stepped()
     sd = _sharded_state_dict(trainer, is_loading=False, with_optimizer=stepped)
     sd[MEGARL_KEY] = {"steps_done": trainer.steps_done, "lr": trainer.lr, "dtype": trainer.cfg.dtype,
-                      "distributed_optimizer": trainer.cfg.distributed_optimizer, "optimizer_stepped": stepped}
+                      "distributed_optimizer": trainer.cfg.distributed_optimizer, "optimizer_stepped": stepped,
+                      # the model, for `megarl convert torch-dist-to-hf` (megarl/trainer/dist_convert.py)
+                      "hf_config": trainer.args.to_hf_config(torch_dtype=trainer.cfg.dtype)}
     dist_checkpointing.save(sd, str(folder), sharded_strategy=(BACKEND, 1))
 
 

@@ -137,10 +137,15 @@ class ModelInput:
         return len(self.cu_seqlens) - 1 if self.cu_seqlens is not None else self.input_ids.shape[0]
 
 
-def model_input(mb: dict[str, Any], pack: bool) -> ModelInput:
+def model_input(mb: dict[str, Any], pack: bool, multiple: int = 1) -> ModelInput:
     """The :class:`ModelInput` of micro-batch ``mb`` (``input_ids`` [n, w], optional ``loss_mask``
     [n, w - 1]): the positions scored are the loss mask's (all positions without a mask). Packed
-    (``pack``), each row keeps its tokens through its last scored target (:func:`row_lengths`)."""
+    (``pack``), each row keeps its tokens through its last scored target (:func:`row_lengths`).
+
+    ``multiple``: the sequence the model runs on is padded to a multiple of it (sequence
+    parallelism splits it over the TP ranks: megarl/trainer/sequence_parallel.py). Packed,
+    the last row gets the padding tokens after its own, which causal attention hides from its
+    real tokens; right padded, every row gets padding columns. Neither is scored."""
     ids = mb["input_ids"]
     n, w = ids.shape
     mask = mb.get("loss_mask")
@@ -150,12 +155,18 @@ def model_input(mb: dict[str, Any], pack: bool) -> ModelInput:
         rows, cols = (mask != 0).nonzero(as_tuple=True)
     targets = ids[rows, cols + 1]
     if not pack:
-        pos = torch.arange(w).expand(n, w)
+        ids = torch.nn.functional.pad(ids, (0, -w % multiple))  # the select below does not depend on the width
+        pos = torch.arange(ids.shape[1]).expand(n, ids.shape[1])
         return ModelInput(ids, pos, cols * n + rows, targets, rows, cols)  # hidden states are [s, b]
     lengths = row_lengths(mb)
     starts = torch.cumsum(lengths, 0) - lengths
     keep = torch.arange(w)[None, :] < lengths[:, None]
     packed_ids = ids[keep][None]  # row-major: row 0's tokens, then row 1's, ...
     pos = torch.arange(w).expand(n, w)[keep][None]
+    pad = -packed_ids.shape[1] % multiple
+    if pad:  # the last row runs on: tokens 0 at its next positions
+        packed_ids = torch.nn.functional.pad(packed_ids, (0, pad))
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
+        lengths = torch.cat([lengths[:-1], lengths[-1:] + pad])
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0).to(torch.int32)])
     return ModelInput(packed_ids, pos, starts[rows] + cols, targets, rows, cols, cu, int(lengths.max()))

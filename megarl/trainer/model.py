@@ -26,6 +26,7 @@ from megarl.models.rope import inv_freq_and_scale
 from megarl.trainer import cpu_compat
 from megarl.trainer.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
+from megarl.trainer.sequence_parallel import block_spec, check_length, gather_before_output_layer, local_length
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def transformer_config(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype, 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=dims.tp,
+        sequence_parallel=dims.sequence_parallel,  # megarl/trainer/sequence_parallel.py
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         params_dtype=dtype,
@@ -132,7 +134,7 @@ def _moe_config(args: ModelArgs, dims: ParallelDims) -> dict:
         return {}
     if dims.tp > 1:
         # Megatron's MoE layer refuses to train with TP > 1 unless sequence parallelism splits
-        # the activations along the sequence, a layout gpt_logits and the trainer do not use.
+        # the activations along the sequence; MoE with TP and sequence parallelism is untried here.
         raise ValueError(f"MoE models need tp=1 (got tp={dims.tp}): split the experts with expert "
                          f"parallelism (ep) instead")
     if args.num_experts_per_tok == 1 and args.norm_topk_prob:
@@ -202,6 +204,8 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
                 "importable" if transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype, recompute)
+    if dims.sequence_parallel:  # megarl/trainer/sequence_parallel.py: norms that allow it
+        spec = block_spec(spec, cfg, vp_stage=chunk if dims.vpp > 1 else None)
     seed_megatron(seed, dims)
     model = GPTModel(
         config=cfg,
@@ -222,6 +226,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # WrappedTorchNorm builds RMSNorm weights in torch's default dtype, ignoring params_dtype;
     # cast so that every parameter has the model dtype (fp64 tests rely on it).
     model.to(device=dims.device, dtype=dtype)
+    gather_before_output_layer(model)
     if dtype == torch.float64 or args.rope_scaling is not None:
         # RotaryEmbedding keeps inv_freq in fp32 whatever the model dtype and knows neither HF's
         # llama3 nor its yarn frequencies: set megarl's CausalLM ones (megarl/models/rope.py), so that
@@ -386,6 +391,7 @@ def gpt_logits(model, input_ids: torch.Tensor, dims: ParallelDims | None = None,
         raise ValueError(f"gpt_logits runs one stage holding the whole model; with pp={dims.pp} "
                          f"use pipeline_logits (forward only)")
     input_ids = input_ids.to(next(model.parameters()).device)
+    check_length(input_ids.shape[1], dims)
     logits = model(input_ids, *_positions_and_mask(input_ids))
     if dims is None or dims.tp == 1:
         return logits if vocab_size is None else logits[..., :vocab_size]
@@ -406,6 +412,7 @@ def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_si
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != dims.vpp:
         raise ValueError(f"pipeline_logits got {len(chunks)} model chunks; this rank holds vpp={dims.vpp}")
+    check_length(input_ids.shape[1], dims)
     for c, m in enumerate(chunks):
         gpt = getattr(m, "module", m)
         device, dtype = next(gpt.parameters()).device, next(gpt.parameters()).dtype
@@ -413,7 +420,7 @@ def pipeline_logits(model, input_ids: torch.Tensor, dims: ParallelDims, vocab_si
         b, t = ids.shape
         stage = dims.stage(c)
         if stage > 0:
-            hidden = torch.empty(t, b, gpt.config.hidden_size, dtype=dtype, device=device)
+            hidden = torch.empty(local_length(t, dims), b, gpt.config.hidden_size, dtype=dtype, device=device)
             dist.recv(hidden, group=dims.pp_group, group_src=(dims.pp_rank - 1) % dims.pp)
             gpt.set_input_tensor(hidden)
         out = m(ids, *_positions_and_mask(ids))

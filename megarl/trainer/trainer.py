@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.config import ModelArgs
-from megarl.checkpoint.convert import load_piece, read_hf_piece
+from megarl.checkpoint.convert import read_hf_piece
 from megarl.models.init_weights import init_hf_state
 from megarl.parallel.collectives import group_device
 from megarl.parallel.dist import ParallelDims, trainer_world
@@ -39,6 +39,7 @@ from megarl.trainer import step_metrics
 from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.micro_batches import ModelInput, length_order, micro_batches, model_input, pad_rows
 from megarl.trainer.model import build_gpt_model, load_hf_state, load_state, parse_dtype
+from megarl.trainer.sequence_parallel import length_multiple
 from megarl.trainer.trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
@@ -125,8 +126,8 @@ class Trainer(TrainerState):
                  hf_state: dict[str, torch.Tensor] | None = None, seed: int = 0, hf_dir: str | None = None,
                  mcore_dir: str | None = None):
         """Starting weights: ``hf_dir`` (a HF folder: this rank reads only its own piece, see
-        :func:`megarl.checkpoint.convert.read_hf_piece`), or ``mcore_dir`` (a folder written by
-        ``megarl convert hf-to-mcore`` in this layout: this rank reads its own piece files), else
+        :func:`megarl.checkpoint.convert.read_hf_piece`), or ``mcore_dir`` (``megarl convert hf-to-mcore``'s
+        folder of this layout, or a torch_dist folder of any: ``TrainerState._load_mcore_start``), else
         ``hf_state`` (full HF-named tensors), else fresh ones drawn from ``seed``
         (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
         if sum(x is not None for x in (hf_dir, mcore_dir, hf_state)) > 1:
@@ -168,9 +169,8 @@ class Trainer(TrainerState):
             if hf_dir is not None:
                 load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
                                                 ep=dims.ep, ep_rank=dims.ep_rank))
-            elif mcore_dir is not None:
-                load_state(model, load_piece(mcore_dir, dims.tp_rank, dims.pp_rank, dims.ep_rank,
-                                             vp=chunk if dims.vpp > 1 else None))
+            elif mcore_dir is not None:  # converted pieces of this layout, or a torch_dist folder (any)
+                self._load_mcore_start(model, mcore_dir, chunk)
             else:
                 load_hf_state(model, hf_state, args, dims, chunk=chunk)
             mcfg = model.config
@@ -273,7 +273,8 @@ class Trainer(TrainerState):
                 order = torch.cat([order, torch.arange(n, rows)])
             mbs = list(micro_batches(batch, size, order, trim=False))
         pack = self.pack and self.dims.vpp == 1
-        return [{**mb, "model_input": model_input(mb, pack)} for mb in mbs], order
+        multiple = length_multiple(self.dims)  # sequence parallelism splits the sequence over TP
+        return [{**mb, "model_input": model_input(mb, pack, multiple)} for mb in mbs], order
 
     def _forward_backward(self, microbatches: list[dict[str, Any]], loss_fn: LossFn | None,
                           temperature: float = 1.0) -> list[dict]:

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.convert import read_meta
+from megarl.checkpoint.convert import load_piece, read_meta
 from megarl.models import mcore_mapping, mcore_sharding
-from megarl.trainer import dist_ckpt
+from megarl.models.config import ModelArgs
+from megarl.trainer import dist_ckpt, dist_convert
 from megarl.trainer.model import load_state
 
 
@@ -22,7 +23,14 @@ class TrainerState:
     """Weights and optimizer state of a :class:`~megarl.trainer.trainer.Trainer`."""
 
     def _check_mcore_layout(self, mcore_dir: str) -> None:
-        """``mcore_dir`` holds this trainer's model in this trainer's layout."""
+        """``mcore_dir`` holds this trainer's model in this trainer's layout (a torch_dist folder:
+        this trainer's model, in any layout)."""
+        if dist_convert.is_torch_dist(mcore_dir):
+            args = ModelArgs.from_hf_config(dist_convert.checkpoint_hf_config(mcore_dir))
+            if mcore_mapping.hf_shapes(args) != mcore_mapping.hf_shapes(self.args):
+                raise ValueError(f"{mcore_dir} holds another model than this trainer's: {args.model_type} with "
+                                 f"tensor shapes differing from this {self.args.model_type}'s")
+            return
         meta, args = read_meta(mcore_dir)
         d = self.dims
         got, want = ({k: meta[k] for k in ("tp", "pp", "vpp", "ep")},
@@ -32,6 +40,16 @@ class TrainerState:
         if mcore_mapping.hf_shapes(args) != mcore_mapping.hf_shapes(self.args):
             raise ValueError(f"{mcore_dir} holds another model than this trainer's: {args.model_type} with tensor "
                              f"shapes differing from this {self.args.model_type}'s")
+
+    def _load_mcore_start(self, model, mcore_dir: str, chunk: int) -> None:
+        """Starting weights of model chunk ``chunk``: this rank's piece of a ``megarl convert
+        hf-to-mcore`` folder of this layout, or its part of a torch_dist folder (``megarl convert
+        hf-to-torch-dist``, a run's trainer checkpoint: Megatron reshards it; collective)."""
+        if dist_convert.is_torch_dist(mcore_dir):
+            dist_convert.load_model_weights(model, mcore_dir)
+        else:
+            d = self.dims
+            load_state(model, load_piece(mcore_dir, d.tp_rank, d.pp_rank, d.ep_rank, vp=chunk if d.vpp > 1 else None))
 
     def local_pieces(self) -> dict[int, dict[str, torch.Tensor]]:
         """This rank's weights by pipeline stage (``dims.stage(chunk)`` for each model chunk): each
