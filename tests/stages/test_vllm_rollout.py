@@ -1,13 +1,14 @@
 """megarl's rollout stage on the vLLM backend (megarl/engine/vllm_backend.py, vLLM's step-level
 engine API): tail batching's short round keeps the first complete prompts with exactly the samples
 a full rollout gives them, and stream training trains each group while vLLM still generates the
-others, to the update taken after the rollout. fp32, a tiny Llama; one ``vllm.LLM`` serves the
-module."""
+others, to the update taken after the rollout. One ``vllm.LLM`` serves the module."""
 import pytest
 import torch
 
 from megarl.config import load_config
 from megarl.engine import EngineConfig
+from megarl.models.init_weights import init_hf_state
+from megarl.models.llama import CausalLM
 from megarl.rl.grpo import UpdateSpec
 from megarl.setup_run import prepare_inputs
 from megarl.stages.rollout import RolloutStage, rollout_line
@@ -15,29 +16,24 @@ from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 from megarl.stream_train.trainer import Trainer, TrainerConfig
 from tests.rl.test_temperature_logprobs import dims  # noqa: F401 (the fixture)
-from tests.spec.test_spec_engine import _policy_with_entropy
+from tests.vllm_run_worker import CONFIG, OVERRIDES, length_reward
 from tests.vllm_marks import needs_vllm
 
 pytestmark = needs_vllm
 
-# head_dim 32 (the smallest vLLM-CPU's attention takes); llama: no k bias, whose gradient is 0 in exact
-# arithmetic and rounding noise in fp32 (Adam would turn that noise into updates of either sign)
-SETS = ["task.num_prompts=8", "task.max_terms=6", "rollout.prompts_per_step=8", "rollout.group_size=3",
-        "rollout.max_new_tokens=40", "model.model_type=llama", "model.hidden_size=64", "model.intermediate_size=128",
-        "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
-        "rollout.backend=vllm", "trainer.dtype=float32"]
-
 
 @pytest.fixture(scope="module")
 def stage():
+    """The 2-process runs' tiny fp32 Llama (tests/vllm_run_worker.py: head_dim 32, no k bias), freshly
+    initialised, on 8 prompts of 3 samples up to 40 tokens: response lengths spread from 2 to 40."""
     from megarl.engine.vllm_backend import VLLMEngine
 
-    cfg = load_config("configs/tiny.yaml", SETS)
+    cfg = load_config(CONFIG, OVERRIDES + ["rollout.prompts_per_step=8", "rollout.max_new_tokens=40"])
     inputs = prepare_inputs(cfg)
-    model = _policy_with_entropy(inputs.args)
-    with torch.no_grad():  # EOS as likely as a typical token: response lengths spread out
-        model.lm_head.weight[inputs.args.eos_token_id] = model.lm_head.weight[inputs.tokenizer.encode("5")[0]]
-    engine = VLLMEngine(model.args, EngineConfig(max_batch_size=24, max_seq_len=128), seed=5, temperature=1.0)
+    inputs.reward_fn = length_reward  # rewards that vary in a group: real updates
+    model = CausalLM(inputs.args)
+    model.load_state_dict(init_hf_state(inputs.args, cfg.seed, torch.float32))
+    engine = VLLMEngine(model.args, EngineConfig(max_batch_size=24, max_seq_len=96), seed=5, temperature=1.0)
     engine.model.load_state_dict(model.state_dict())
     engine.push_weights()
     st = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
