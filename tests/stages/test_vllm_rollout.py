@@ -100,3 +100,14 @@ def test_stream_training_trains_groups_during_generation_to_the_same_update(stag
     moved = max((b[k] - start[k]).abs().max().item() for k in b)
     diff = max((a[k] - b[k]).abs().max().item() for k in b)
     assert moved > 5e-6 and diff < 1e-7, (moved, diff)
+
+
+def test_a_request_at_another_temperature_is_refused_before_any_starts(stage):
+    from megarl.engine import Request, SamplingParams
+
+    stage, _, _ = stage
+    prompt = stage.inputs.prompt_ids[0]
+    ok, bad = SamplingParams(temperature=1.0, max_new_tokens=4), SamplingParams(temperature=0.5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="request 1: temperature 0.5"):
+        stage.engine.generate([Request(0, 0, prompt, ok), Request(0, 1, prompt, bad)], step=0)
+    assert not stage.engine.llm.llm_engine.has_unfinished_requests()  # request 0 was never started
