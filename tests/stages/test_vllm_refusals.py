@@ -1,32 +1,42 @@
-"""``rollout.backend=vllm`` refuses at start, with one line naming the key, what this foundation of
-the vLLM backend does not run yet (megarl/setup_run.py ``check_vllm_backend``)."""
+"""``rollout.backend=vllm`` refuses at start, with one line naming the key, what the vLLM backend
+does not run yet (megarl/setup_run.py ``check_vllm_backend``)."""
 import pytest
 
 from megarl.config import load_config
 from megarl.setup_run import check_vllm_backend
 from tests.conftest import tiny_args
+from tests.vllm_marks import needs_vllm
 
 
-@pytest.mark.parametrize("sets,world,match", [
-    ([], 2, "does not support 2 processes"),
-    (["rollout.dtype=float64"], 1, "does not support rollout.dtype=float64"),
-    (["spec.enabled=true"], 1, "does not support spec.enabled=true"),
-    (["tail.enabled=true"], 1, "does not support tail.enabled=true"),
-    (["rollout.temperature=0.7", "rollout.top_k=20"], 1, "temperature=0.7 with top_k/top_p on"),
-    (["rollout.temperature=0.7", "rollout.top_p=0.9"], 1, "temperature=0.7 with top_k/top_p on"),
+@pytest.mark.parametrize("sets,match", [
+    (["parallel.placement=disaggregated", "parallel.rollout_ranks=1"], "does not support parallel.placement=disagg"),
+    (["parallel.rollout_tp=2"], "does not support parallel.rollout_tp=2"),
+    (["tail.enabled=true", "tail.long_rollout_tp=2"], "does not support tail.long_rollout_tp=2"),
+    (["rollout.dtype=float64"], "does not support rollout.dtype=float64"),
+    (["spec.enabled=true"], "does not support spec.enabled=true"),
+    (["rollout.temperature=0.7", "rollout.top_k=20"], "temperature=0.7 with top_k/top_p on"),
+    (["rollout.temperature=0.7", "rollout.top_p=0.9"], "temperature=0.7 with top_k/top_p on"),
 ])
-def test_refused_with_one_line(sets, world, match):
+def test_refused_with_one_line(sets, match):
     cfg = load_config(None, ["rollout.backend=vllm", *sets])
     with pytest.raises(ValueError, match=match) as e:
-        check_vllm_backend(cfg, tiny_args("llama"), world)
+        check_vllm_backend(cfg, tiny_args("llama"))
     assert "\n" not in str(e.value) and "rollout.backend=megarl" in str(e.value)
+
+
+@needs_vllm
+@pytest.mark.parametrize("sets", [["tail.enabled=true"], ["stream_train=true", "rollout.placement=length"]])
+def test_the_long_tail_schedulers_are_accepted(sets):
+    """Tail batching, stream training and length placement run on the vLLM backend
+    (tests/stages/test_vllm_rollout.py, tests/test_vllm_parallel_run.py): not refused."""
+    check_vllm_backend(load_config(None, ["rollout.backend=vllm", *sets]), tiny_args("llama"))
 
 
 def test_moe_is_refused_and_megarl_is_the_default():
     assert load_config(None, []).rollout.backend == "megarl"
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_vllm_backend(load_config(None, ["rollout.backend=vllm"]),
-                           tiny_args("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), 1)
+                           tiny_args("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
 
 
 def test_without_vllm_the_backend_fails_at_start(monkeypatch):
@@ -41,4 +51,4 @@ def test_without_vllm_the_backend_fails_at_start(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     with pytest.raises(ValueError, match=r"vLLM cannot be imported here .*make vllm"):
-        check_vllm_backend(load_config(None, ["rollout.backend=vllm"]), tiny_args("llama"), 1)
+        check_vllm_backend(load_config(None, ["rollout.backend=vllm"]), tiny_args("llama"))

@@ -8,7 +8,7 @@ import torch
 
 from megarl.trainer.micro_batches import micro_batches, model_input, row_lengths
 
-from .launch import torchrun
+from tests.torchrun import torchrun
 from .shard_worker import CASES, TRAIN_STEPS, case_args, train_batch
 from .sp_worker import DTYPES
 
