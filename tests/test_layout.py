@@ -121,8 +121,10 @@ def test_functions_fit_a_screen():
 
 
 def test_the_function_check_counts_nested_code():
+    """A 59-line function passes; a method whose nested function makes it 61 lines does not."""
     body = "\n".join(f"    x{i} = {i}" for i in range(58))
-    src = f"def short():\n{body}\n\nclass C:\n    def long(self):\n        def inner():\n{body.replace('    ', '            ')}\n        return inner\n"
+    nested = body.replace("    ", "            ")
+    src = f"def short():\n{body}\n\nclass C:\n    def long(self):\n        def inner():\n{nested}\n        return inner\n"
     assert _long_functions(src, 60) == {"C.long": 61}
 
 
