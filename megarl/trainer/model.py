@@ -24,7 +24,6 @@ from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
 from megarl.models.rope import inv_freq_and_scale
 from megarl.trainer import cpu_compat
-from megarl.trainer.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -200,7 +199,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # without the [b*heads, s, s] score and probability tensors, and packed sequences.
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
-                "importable" if transformer_engine_importable() else "not importable")
+                "importable" if cpu_compat.transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype, recompute)
     seed_megatron(seed, dims)
     model = GPTModel(
