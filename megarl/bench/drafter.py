@@ -102,6 +102,15 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
                     "temperature": cfg.rollout.temperature, "eval_prompts": eval_prompts,
                     "group_size": cfg.rollout.group_size, "drafter": dataclasses.asdict(cfg.spec.drafter)}
     base = warm_start_overrides("bench drafter", config, cfg, overrides, work, from_hf, report, steps, COMMON)
+    _train_runs(config, base, work, nproc, steps, report)
+    report.update(_unseen_prompts(cfg, work, eval_prompts))
+    atomic_write_text(json_out, json.dumps(report, indent=2))
+    return report
+
+
+def _train_runs(config: str | None, base: list[str], work: Path, nproc: int, steps: int, report: dict) -> None:
+    """The RL runs with drafter training on and off (alternated, ``ORDER``), their figures in
+    ``report``, and the step-time ratios on/off, paired step by step and corrected for drift."""
     for name in ORDER:
         kind = name.rstrip("2")
         print(f"bench drafter: RL run with drafter training {kind} ({nproc} processes, {steps} steps) -> {name}",
@@ -128,6 +137,10 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
     # the trainer's ratio is the machine's speed between the runs; dividing it out leaves the training's cost.
     report["step_time_ratio_drift_corrected"] = report["step_time_ratio"] / report["train_time_ratio"]
 
+
+def _unseen_prompts(cfg: RunConfig, work: Path, eval_prompts: int) -> dict:
+    """Speculation off, with the untrained drafter and with the bubble-trained one (alone, under
+    the cost rule, combined with other sources, under the bandit) on prompts the runs never saw."""
     print("bench drafter: unseen prompts, speculation off / untrained / bubble-trained drafter", flush=True)
     trained = work / "on" / "hf" / "drafter"
     if not trained.is_dir():
@@ -155,12 +168,10 @@ def bench_drafter(config: str | None, cfg: RunConfig, json_out: str, overrides: 
         "bandit": _variant(model, cfg, reqs, ref, passes=3, strategy="bandit", init_from=str(trained),
                            spec={"sources": ("group", "prompt")}),
     }
-    report.update(
+    return dict(
         forward_reduction_unseen=v["trained"]["forward_reduction"],
         accept_len_trained=v["trained"]["accept_len"],
         accept_len_untrained=v["untrained"]["accept_len"],
         forward_reduction_unseen_untrained=v["untrained"]["forward_reduction"],
         exact_match=all(x["exact_match"] for x in v.values()),
         draft_k=k, off_time_s=t_off[0], off_time_s_3_passes=sum(t_off), variants=v)
-    atomic_write_text(json_out, json.dumps(report, indent=2))
-    return report

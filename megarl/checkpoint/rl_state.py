@@ -123,15 +123,8 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
     written with ``torch.save`` into the same directory (names must differ between processes).
     ``dims=None`` means a single process."""
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
-    tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
-    meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
-            **loop_state}
     folder = getattr(trainer_state, "write_folder", None)  # the reshardable format (module docstring)
-    if folder is not None:
-        meta["trainer_format"] = TRAINER_FORMAT  # (the optimizer kind: checked on resume before the start)
-        meta["trainer_distributed_optimizer"] = trainer_state.distributed_optimizer
-    elif trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
-        meta["trainer_optimizer_dp"] = trainer_state["optimizer_shard"]["dp"]  # the DP size a resume needs
+    meta = _meta(step, dims, trainer_state, loop_state)
     if dims is None or dims.world_size == 1:
         with atomic_dir(final) as tmp:
             _write_rank_files(tmp, rank_files)
@@ -140,39 +133,57 @@ def save_checkpoint(run_dir: str | Path, step: int, trainer_state: dict[str, Any
                 folder(tmp / TRAINER_DIR)
             _write(tmp, trainer_file(0, 0, 1, 1) if folder is None else None, trainer_state, meta, ref_state)
     else:
-        # One shared temporary directory: rank 0 makes it, every piece writes into it, rank 0
-        # renames it once all have written (barriers), so the checkpoint still appears whole.
-        tmp = final.with_name(f".{final.name}.tmp")
-        if dims.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            if folder is not None:
-                (tmp / TRAINER_DIR).mkdir()
-        dist.barrier()
-        written = []
-        if folder is not None:  # every process together (rank 0 hashes its files in _write)
-            folder(tmp / TRAINER_DIR)
-        elif dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
-            name = trainer_file(dims.tp_rank, dims.pp_rank, tp, pp)
-            torch_save(trainer_state, tmp / name)
-            written.append(name)
-        elif dims.trains and "optimizer_shard" in trainer_state:
-            name = optimizer_shard_file(dims.tp_rank, dims.pp_rank, dims.dp_rank)
-            torch_save({"optimizer_shard": trainer_state["optimizer_shard"]}, tmp / name)
-            written.append(name)
-        written += _write_rank_files(tmp, rank_files)
-        _write_sidecar(tmp, written, dims.rank)
-        dist.barrier()
-        if dims.rank == 0:
-            _write(tmp, None, None, meta, ref_state)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        dist.barrier()
+        _save_in_pieces(final, dims, trainer_state, folder, meta, ref_state, rank_files)
     if dims is None or dims.rank == 0:
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _meta(step: int, dims, trainer_state, loop_state: dict[str, Any]) -> dict[str, Any]:
+    """``state.json``'s content: the step, the trainer layout and format a resume checks, the loop state."""
+    tp, pp = (dims.tp, dims.pp) if dims is not None else (1, 1)
+    meta = {"step": step, "trainer_tp": tp, "trainer_pp": pp, "trainer_vpp": dims.vpp if dims is not None else 1,
+            **loop_state}
+    if getattr(trainer_state, "write_folder", None) is not None:
+        meta["trainer_format"] = TRAINER_FORMAT  # (the optimizer kind: checked on resume before the start)
+        meta["trainer_distributed_optimizer"] = trainer_state.distributed_optimizer
+    elif trainer_state and "optimizer_shard" in trainer_state:  # (rank 0 trains: its state tells)
+        meta["trainer_optimizer_dp"] = trainer_state["optimizer_shard"]["dp"]  # the DP size a resume needs
+    return meta
+
+
+def _save_in_pieces(final: Path, dims, trainer_state, folder, meta: dict, ref_state, rank_files) -> None:
+    """:func:`save_checkpoint` over several processes, each writing its pieces."""
+    # One shared temporary directory: rank 0 makes it, every piece writes into it, rank 0
+    # renames it once all have written (barriers), so the checkpoint still appears whole.
+    tmp = final.with_name(f".{final.name}.tmp")
+    if dims.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if folder is not None:
+            (tmp / TRAINER_DIR).mkdir()
+    dist.barrier()
+    written = []
+    if folder is not None:  # every process together (rank 0 hashes its files in _write)
+        folder(tmp / TRAINER_DIR)
+    elif dims.trains and dims.dp_rank == 0:  # (a generating-only process has no trainer state)
+        name = trainer_file(dims.tp_rank, dims.pp_rank, dims.tp, dims.pp)
+        torch_save(trainer_state, tmp / name)
+        written.append(name)
+    elif dims.trains and "optimizer_shard" in trainer_state:
+        name = optimizer_shard_file(dims.tp_rank, dims.pp_rank, dims.dp_rank)
+        torch_save({"optimizer_shard": trainer_state["optimizer_shard"]}, tmp / name)
+        written.append(name)
+    written += _write_rank_files(tmp, rank_files)
+    _write_sidecar(tmp, written, dims.rank)
+    dist.barrier()
+    if dims.rank == 0:
+        _write(tmp, None, None, meta, ref_state)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    dist.barrier()
 
 
 def _write(tmp: Path, name: str | None, trainer_state, meta: dict, ref_state) -> None:

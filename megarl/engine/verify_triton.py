@@ -265,6 +265,20 @@ def _scaled_block(x_row, v0, V: tl.constexpr, t_div, IS_F64: tl.constexpr, ID_BI
     return offs, m, s, key, idrev
 
 
+@triton.jit
+def _raw_argmax(x_row, V: tl.constexpr, x_max, x_arg, BLOCK_V: tl.constexpr):
+    """Max and argmax (ties -> lowest id) of a row's raw logits, from ``x_max`` = -inf, ``x_arg`` = 0."""
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        m = offs < V
+        x = tl.load(x_row + offs, mask=m, other=float("-inf"))
+        bmax = tl.max(x, axis=0)
+        barg = tl.min(tl.where((x == bmax) & m, offs, 2147483647), axis=0)
+        x_arg = tl.where(bmax > x_max, barg, x_arg)
+        x_max = tl.maximum(bmax, x_max)
+    return x_max, x_arg
+
+
 # ------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "step_lo"])
 def _verify_kernel(logits_ptr, stride_row, draft_ptr, row_req_ptr, row_start_ptr, temp_ptr, top_k_ptr, top_p_ptr,
@@ -288,14 +302,7 @@ def _verify_kernel(logits_ptr, stride_row, draft_ptr, row_req_ptr, row_start_ptr
     x_max = tl.full([], float("-inf"), temp.dtype)
     x_arg = tl.zeros([], tl.int32)
     if (~sampled) | p_on:
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            m = offs < V
-            x = tl.load(x_row + offs, mask=m, other=float("-inf"))
-            bmax = tl.max(x, axis=0)
-            barg = tl.min(tl.where((x == bmax) & m, offs, 2147483647), axis=0)
-            x_arg = tl.where(bmax > x_max, barg, x_arg)
-            x_max = tl.maximum(bmax, x_max)
+        x_max, x_arg = _raw_argmax(x_row, V, x_max, x_arg, BLOCK_V)
     s_max = _scale(x_max, t_div, IS_F64)  # max(x / T) == max(x) / T: rounding is monotone
 
     # 2. top-k, 3. top-p cutoffs

@@ -166,10 +166,52 @@ def trainer_world(dims: ParallelDims):
     return _default_group_is(dims.trainer_world_size, dims.trainer_group)
 
 
+def _init_process_group(backend: str, cuda: bool, timeout_minutes: int) -> None:
+    """The default process group: torchrun's world (env:// rendezvous), srun's or mpirun's as
+    torchrun's variables, or a world of one on a free localhost port."""
+    export_launch_env()  # srun / mpirun ranks as torchrun's variables (torchrun's own kept)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: env:// rendezvous
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        init_method = "env://"
+    else:  # standalone: a world of one on a free localhost port
+        rank, world = 0, 1
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _check_trainer_world(world: int, everyone: int, tp: int, pp: int, ep: int, trainer_ranks: int | None) -> None:
+    """Megatron's world (``world`` trainer processes of ``everyone``) splits into TP x EP x PP."""
+    if not 1 <= world <= everyone:
+        raise ValueError(f"trainer_ranks={trainer_ranks} is invalid in a world of {everyone}; valid range: "
+                         f"1..{everyone}")
+    what = "world_size" if world == everyone else "the trainer processes"
+    if world % (tp * pp):
+        raise ValueError(f"{what}={world} is not a multiple of tp*pp={tp * pp}")
+    if world % (tp * ep * pp):
+        raise ValueError(f"{what}={world} is not a multiple of tp*ep*pp={tp * ep * pp}: the expert-"
+                         f"parallel size ep={ep} must divide the data-parallel size {world // (tp * pp)}")
+
+
+def _check_sizes(tp: int, pp: int, ep: int, vpp: int, sequence_parallel: bool) -> None:
+    """The parallel sizes make sense on their own (the world is checked by _check_trainer_world)."""
+    if sequence_parallel and tp < 2:
+        raise ValueError(f"sequence_parallel=True splits the sequence over the tensor-parallel ranks and needs tp >= 2 "
+                         f"(got tp={tp}): set tp >= 2 or sequence_parallel=False")
+    if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
+        raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
+    if vpp > 1 and pp < 2:
+        raise ValueError(f"vpp={vpp} (virtual pipeline stages) needs pipeline parallelism: pp={pp}; valid: pp >= 2 "
+                         f"or vpp=1")
+
+
 def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int = 1, vpp: int = 1,
                   trainer_ranks: int | None = None, sequence_parallel: bool = False) -> ParallelDims:
-    """Initialise torch.distributed (if needed), the CPU compatibility layer (if no CUDA) and
-    Megatron's model-parallel state; return the groups as a :class:`ParallelDims`.
+    """Initialise torch.distributed (if needed) and Megatron's model-parallel state; return the
+    groups as a :class:`ParallelDims`. (Megatron's CPU patches, megarl/trainer/cpu_compat.py, go in
+    when the trainer builds its model: the parallel state needs none.)
 
     ``ep`` is the expert-parallel size (MoE models): Megatron lays out experts as
     ``tp x ep x expert-dp x pp`` with expert-TP = ``tp``, so ``tp * ep * pp`` must divide the world.
@@ -180,44 +222,18 @@ def init_parallel(tp: int = 1, pp: int = 1, timeout_minutes: int = 30, ep: int =
     part in creating the groups, which is collective), and the others get a ``role="rollout"``
     :class:`ParallelDims` without trainer groups. None: every process trains.
     ``sequence_parallel``: the trainer's sequence parallelism (:attr:`ParallelDims.sequence_parallel`)."""
-    if sequence_parallel and tp < 2:
-        raise ValueError(f"sequence_parallel=True splits the sequence over the tensor-parallel ranks and needs tp >= 2 "
-                         f"(got tp={tp}): set tp >= 2 or sequence_parallel=False")
-    if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
-        raise ValueError(f"tp={tp}, pp={pp}, ep={ep} and vpp={vpp} must be >= 1")
-    if vpp > 1 and pp < 2:
-        raise ValueError(f"vpp={vpp} (virtual pipeline stages) needs pipeline parallelism: pp={pp}; valid: pp >= 2 "
-                         f"or vpp=1")
+    _check_sizes(tp, pp, ep, vpp, sequence_parallel)
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
-    owns = False
-    if not dist.is_initialized():
-        export_launch_env()  # srun / mpirun ranks as torchrun's variables (torchrun's own kept)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: env:// rendezvous
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            init_method = "env://"
-        else:  # standalone: a world of one on a free localhost port
-            rank, world = 0, 1
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
-        owns = True
+    owns = not dist.is_initialized()
+    if owns:
+        _init_process_group(backend, cuda, timeout_minutes)
     everyone, rank = dist.get_world_size(), dist.get_rank()
     world = everyone if trainer_ranks is None else trainer_ranks  # Megatron's world: the trainers
-    if not 1 <= world <= everyone:
-        raise ValueError(f"trainer_ranks={trainer_ranks} is invalid in a world of {everyone}; valid range: "
-                         f"1..{everyone}")
-    what = "world_size" if world == everyone else "the trainer processes"
-    if world % (tp * pp):
-        raise ValueError(f"{what}={world} is not a multiple of tp*pp={tp * pp}")
-    if world % (tp * ep * pp):
-        raise ValueError(f"{what}={world} is not a multiple of tp*ep*pp={tp * ep * pp}: the expert-"
-                         f"parallel size ep={ep} must divide the data-parallel size {world // (tp * pp)}")
+    _check_trainer_world(world, everyone, tp, pp, ep, trainer_ranks)
     # new_group is collective over the default group: every process creates the trainers' group
     trainer_group = dist.new_group(list(range(world))) if world < everyone else None
 

@@ -443,8 +443,3 @@ class WeightSync:
                                   f"weight checksums: {sorted(groups.values())}): the trainer's data-parallel "
                                   f"replicas have diverged")
 
-
-def sync_weights(trainer, engine, bucket_mb: float = DEFAULT_BUCKET_MB) -> dict[str, float | str]:
-    """One sync with a fresh :class:`WeightSync` (planning costs no communication); a run that
-    syncs every step keeps one ``WeightSync`` instead."""
-    return WeightSync(trainer, engine, bucket_mb)()

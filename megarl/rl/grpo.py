@@ -93,6 +93,23 @@ def _check_num_tokens(num_tokens: float | Tensor) -> None:
         raise ValueError(f"num_tokens must be > 0 (the step's total response-token count), got {num_tokens}")
 
 
+def _check_grpo_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                       num_tokens: float | Tensor, kl_coef: float, ref_logprobs: Tensor | None,
+                       token_weights: Tensor | None) -> None:
+    """:func:`grpo_loss`'s arguments agree in shape, and the KL term has its reference."""
+    _check_num_tokens(num_tokens)
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+                         f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must have shape [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    if token_weights is not None and token_weights.shape != logprobs.shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the [B, T] shape "
+                         f"{tuple(logprobs.shape)}")
+
+
 def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
               num_tokens: float | Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
               kl_coef: float = 0.0, ref_logprobs: Tensor | None = None,
@@ -116,14 +133,8 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_m
     step's): ``pg_loss``; ``clip_frac`` (tokens where the clipped term is the active, strictly
     larger loss); ``ratio`` (mean ratio); ``kl`` (mean k3) when ``ref_logprobs`` is given.
     """
-    _check_num_tokens(num_tokens)
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-                         f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must have shape [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    _check_grpo_inputs(logprobs, old_logprobs, advantages, loss_mask, num_tokens, kl_coef, ref_logprobs,
+                       token_weights)
     mask = loss_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     # Zero the masked inputs *before* any arithmetic: a where() on the output alone still lets
@@ -138,9 +149,6 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_m
     clipped = -torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     pg = torch.maximum(unclipped, clipped)
     if token_weights is not None:
-        if token_weights.shape != logprobs.shape:
-            raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the [B, T] shape "
-                             f"{tuple(logprobs.shape)}")
         pg = pg * torch.where(mask, token_weights.detach().to(pg.dtype), zero)
     per_token = pg
     metrics: dict[str, float] = {}

@@ -234,7 +234,3 @@ class BubbleWorker:
             raise self._err[0]
         return self.out
 
-
-def run_bubble_work(fn: Callable[[], dict], low_priority: bool, flush_denormal: bool = False) -> dict:
-    """Run ``fn`` in a :class:`BubbleWorker` and wait for it; returns its figures."""
-    return BubbleWorker(fn, low_priority, flush_denormal).join()

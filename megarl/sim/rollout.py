@@ -88,6 +88,33 @@ def run_rollout(lens: np.ndarray, prompt: np.ndarray, profile: Profile, *, group
     return RolloutResult(out["finish"], out["done"], out["t"], out["iters"], out["forwards"])
 
 
+def _draft_length(alpha: np.ndarray, active: np.ndarray, b: np.ndarray, ctx0: np.ndarray, profile: Profile,
+                  ks: np.ndarray, spec_max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The draft length of ``ks`` that maximises each replica's accepted tokens per second at
+    acceptance rates ``alpha``: tokens per forward of each request, and target rows per forward."""
+    act = active.astype(np.float64)
+    tau, rows = np.ones(alpha.shape), b.astype(np.float64)
+    if (alpha > 0).any() and ks.size > 1:
+        # tau(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha), the powers built up by products
+        # (np.power over every request for every k was most of the run time).
+        inv = 1.0 / (1.0 - alpha)
+        best = act.sum(axis=1) / profile.decode_s(b, rows, ctx0)  # k = 0
+        q, k_prev = alpha.copy(), 0
+        for k in ks[ks > 0]:
+            for _ in range(int(k) - k_prev):
+                q *= alpha
+            k_prev = int(k)
+            tk = (1.0 - q) * inv
+            rk = b * (1.0 + k)
+            score = np.einsum("ij,ij->i", act, tk) / (profile.decode_s(b, rk, ctx0) + profile.spec_s(b, rk - b))
+            take = (score > best * (1 + 1e-9)) & (b <= spec_max_batch)
+            if take.any():
+                best = np.where(take, score, best)
+                tau = np.where(take[:, None], tk, tau)
+                rows = np.where(take, rk, rows)
+    return tau, rows
+
+
 def _advance(s: dict, profile: Profile, group: int, max_batch: int, ks: np.ndarray, spec_max_batch: int,
              coarsen: float) -> np.ndarray:
     """One event window of every replica in ``s`` (updated in place); returns which replicas
@@ -113,26 +140,7 @@ def _advance(s: dict, profile: Profile, group: int, max_batch: int, ks: np.ndarr
         boundary = lens
     else:
         alpha = np.where(in_cover, s["a_cov"], s["a_rest"])
-        act = active.astype(np.float64)
-        tau, rows = np.ones((R, K)), b.astype(np.float64)
-        if (alpha > 0).any() and ks.size > 1:
-            # tau(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha), the powers built up by products
-            # (np.power over every request for every k was most of the run time).
-            inv = 1.0 / (1.0 - alpha)
-            best = act.sum(axis=1) / profile.decode_s(b, rows, ctx0)  # k = 0
-            q, k_prev = alpha.copy(), 0
-            for k in ks[ks > 0]:
-                for _ in range(int(k) - k_prev):
-                    q *= alpha
-                k_prev = int(k)
-                tk = (1.0 - q) * inv
-                rk = b * (1.0 + k)
-                score = np.einsum("ij,ij->i", act, tk) / (profile.decode_s(b, rk, ctx0) + profile.spec_s(b, rk - b))
-                take = (score > best * (1 + 1e-9)) & (b <= spec_max_batch)
-                if take.any():
-                    best = np.where(take, score, best)
-                    tau = np.where(take[:, None], tk, tau)
-                    rows = np.where(take, rk, rows)
+        tau, rows = _draft_length(alpha, active, b, ctx0, profile, ks, spec_max_batch)
         boundary = np.where(in_cover, cover, lens)
     dist = np.where(active, (boundary - done) / tau, np.inf)
     step = np.ceil(dist.min(axis=1) - 1e-6)

@@ -124,48 +124,22 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
     pass the run's own ``pred`` (length history), ``seen`` and measured ``fixed_tau`` /
     ``fixed_draft`` (tokens and draft rows per target forward; ``fixed_tau`` a number, or one
     per response, shaped as ``sl.lengths``)."""
-    bad = sorted(set(features) - set(FEATURES))
-    if bad:
-        raise ValueError(f"features {bad} are invalid; valid choices: {list(FEATURES)}")
-    G, R = knobs.group, replicas
-    P = sl.prompts
-    if P < R:
-        raise ValueError(f"{P} prompts cannot give each of {R} rollout replicas one; more prompts or fewer GPUs")
+    G, R, P = knobs.group, replicas, sl.prompts
+    _check_step(features, P, R)
     # 1. placement
-    if "placement" in features:
-        p = pred if pred is not None else noisy_prediction(sl.expected, rng, knobs.predictor_sigma,
-                                                            spec.history_coverage)
-        placed = lpt(np.asarray(p, dtype=np.float64).tolist(), R)
-    else:
-        placed = round_robin(P, R)
-    assign = [np.asarray(a, dtype=np.int64) for a in placed]
+    assign = _placement(sl, features, knobs, spec, R, rng, pred)
     lens = to_matrix(sl.lengths, assign).reshape(R, -1)
     prompt = to_matrix(np.repeat(sl.prompt_len[:, None], G, axis=1), assign).reshape(R, -1)
     # 2. rollout
-    kw: dict = {}
     speculating = "spec" in features or fixed_tau is not None
-    if fixed_tau is not None:
-        tau = np.asarray(fixed_tau, dtype=np.float64)
-        if tau.ndim == 2:  # per response ([P, G]), laid out as the lengths are
-            tau = to_matrix(tau, assign, fill=1.0).reshape(R, -1)
-        kw.update(fixed_tau=tau, fixed_draft=fixed_draft or 0.0)
-    elif "spec" in features:
-        s = seen if seen is not None else rng.random(P) < spec.history_coverage
-        rest = spec.rest_alpha(s, carry.drafter_fresh)
-        rest = np.repeat(to_matrix(rest, assign), G, axis=1)
-        kw.update(alpha_rest=rest, alpha_cover=spec.cover_alpha(rest), k_choices=spec.k_choices,
-                  spec_max_batch=spec.max_batch)
-        if "bubble" in spec.sources and carry.cover is not None:
-            kw["cover"] = np.minimum(lens, carry.cover[:, None])
+    kw = _speculation(features, spec, carry, assign, lens, P, G, rng, seen, fixed_tau, fixed_draft)
     quota = None if keep is None else np.full(R, math.ceil(keep / R))
     res = run_rollout(lens, prompt, profile, group=G, max_batch=knobs.max_batch, quota=quota,
                       coarsen=knobs.coarsen, **kw)
     # Bubble work, in schedule order: stream training, drafter training, pre-generation.
     real = lens > 0
     done_groups = (~np.isnan(res.finish) | ~real).reshape(R, -1, G).all(axis=2) & real[:, ::G]
-    seqs = (lens + prompt).reshape(R, -1, G)
-    own = np.array([sum(profile.train_s(seqs[r, q], stream=True) for q in np.flatnonzero(done_groups[r]))
-                    for r in range(R)]) / knobs.tp if "stream" in features else np.zeros(R)
+    own = _stream_units_s(lens + prompt, done_groups, profile, knobs) if "stream" in features else np.zeros(R)
     drafter = knobs.drafter_need_s if "drafter" in features and speculating else 0.0
     pregen = "bubble" in features and speculating and R > 1
     phase = run_phase(res.end, [("stream_train", own), ("drafter_train", np.full(R, drafter)),
@@ -181,19 +155,95 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
                     drafter_fresh=float(min(1.0, drafter_done.sum() / (drafter * R))) if drafter else 0.0)
     after_s = 0.0
     if knobs.pregen_after and speculating and not pregen:
-        # This step's shares stand in for the next step's (same distribution), generated whole.
-        full = run_rollout(lens, prompt, profile, group=G, max_batch=knobs.max_batch, coarsen=knobs.coarsen)
-        after_s = run_phase(full.end, np.zeros(R), profile).barrier
-        new.cover = full.iterations.copy()
+        after_s, new.cover = _pregen_after(lens, prompt, profile, knobs)
     # 3. train, gradient all-reduce + optimizer, weight sync (every rank at once).
+    complete = np.zeros(P, dtype=bool)
+    for r, a in enumerate(assign):
+        complete[a] = done_groups[r, :len(a)]
+    train = _train_s(sl, features, profile, knobs, complete, own, stream_done, phase, done_groups)
+    all_speed = profile.speed(R, "train") if profile.cores is not None else 1.0
+    train += profile.finish_s(R) / all_speed
+    sync = profile.sync_s(R) / all_speed
+    out = StepResult(step_time_s=rollout_s + after_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,
+                     bubble_frac=bubble_frac, tail_share=tail_share(wall_finish, rollout_s),
+                     responses=int(real.sum()), complete=complete,
+                     extra={"gen_end": phase.normal_end, "forwards": float(res.forwards.sum()),
+                            "stream_in_bubble_s": float(stream_done.sum()), "pregen_s": float(pregen_s.sum()),
+                            "pregen_after_s": after_s})
+    return out, new
+
+
+def _check_step(features: frozenset, prompts: int, replicas: int) -> None:
+    bad = sorted(set(features) - set(FEATURES))
+    if bad:
+        raise ValueError(f"features {bad} are invalid; valid choices: {list(FEATURES)}")
+    if prompts < replicas:
+        raise ValueError(f"{prompts} prompts cannot give each of {replicas} rollout replicas one; more prompts or "
+                         f"fewer GPUs")
+
+
+def _stream_units_s(seq_lens: np.ndarray, done_groups: np.ndarray, profile: Profile, knobs: StepKnobs) -> np.ndarray:
+    """Each replica's seconds of stream training: its complete groups' forward/backward passes
+    (``seq_lens`` [R, responses], prompt + response tokens)."""
+    R, G = len(seq_lens), knobs.group
+    seqs = seq_lens.reshape(R, -1, G)
+    return np.array([sum(profile.train_s(seqs[r, q], stream=True) for q in np.flatnonzero(done_groups[r]))
+                     for r in range(R)]) / knobs.tp
+
+
+def _pregen_after(lens: np.ndarray, prompt: np.ndarray, profile: Profile, knobs: StepKnobs
+                  ) -> tuple[float, np.ndarray]:
+    """Bubble drafts made after the rollout when no replica was idle: their seconds and cover.
+    This step's shares stand in for the next step's (same distribution), generated whole."""
+    full = run_rollout(lens, prompt, profile, group=knobs.group, max_batch=knobs.max_batch, coarsen=knobs.coarsen)
+    return run_phase(full.end, np.zeros(len(lens)), profile).barrier, full.iterations.copy()
+
+
+def _placement(sl: StepLengths, features: frozenset, knobs: StepKnobs, spec: SpecModel, R: int,
+               rng: np.random.Generator, pred: np.ndarray | None) -> list[np.ndarray]:
+    """Each replica's prompt indices: longest-predicted-first with ``placement``, else round robin."""
+    if "placement" in features:
+        p = pred if pred is not None else noisy_prediction(sl.expected, rng, knobs.predictor_sigma,
+                                                            spec.history_coverage)
+        placed = lpt(np.asarray(p, dtype=np.float64).tolist(), R)
+    else:
+        placed = round_robin(sl.prompts, R)
+    return [np.asarray(a, dtype=np.int64) for a in placed]
+
+
+def _speculation(features: frozenset, spec: SpecModel, carry: CarryOver, assign: list[np.ndarray],
+                 lens: np.ndarray, P: int, G: int, rng: np.random.Generator, seen: np.ndarray | None,
+                 fixed_tau: float | np.ndarray | None, fixed_draft: float | None) -> dict:
+    """:func:`run_rollout`'s speculation arguments: a replay's measured tokens per forward, or the
+    modelled acceptance (fresh and bubble-covered) with ``spec``; none without speculation."""
+    kw: dict = {}
+    R = len(assign)
+    if fixed_tau is not None:
+        tau = np.asarray(fixed_tau, dtype=np.float64)
+        if tau.ndim == 2:  # per response ([P, G]), laid out as the lengths are
+            tau = to_matrix(tau, assign, fill=1.0).reshape(R, -1)
+        kw.update(fixed_tau=tau, fixed_draft=fixed_draft or 0.0)
+    elif "spec" in features:
+        s = seen if seen is not None else rng.random(P) < spec.history_coverage
+        rest = spec.rest_alpha(s, carry.drafter_fresh)
+        rest = np.repeat(to_matrix(rest, assign), G, axis=1)
+        kw.update(alpha_rest=rest, alpha_cover=spec.cover_alpha(rest), k_choices=spec.k_choices,
+                  spec_max_batch=spec.max_batch)
+        if "bubble" in spec.sources and carry.cover is not None:
+            kw["cover"] = np.minimum(lens, carry.cover[:, None])
+    return kw
+
+
+def _train_s(sl: StepLengths, features: frozenset, profile: Profile, knobs: StepKnobs, complete: np.ndarray,
+             own: np.ndarray, stream_done: np.ndarray, phase, done_groups: np.ndarray) -> float:
+    """The train phase's seconds after the rollout: what stream training left over (pooled or per
+    replica), or every complete group's rows split over the DP ranks."""
+    R = len(own)
     if "stream" in features:
         left = own - stream_done
         if knobs.stream_balance == "pooled":
             left = np.full(R, left.sum() / R)
-    complete = np.zeros(P, dtype=bool)
-    for r, a in enumerate(assign):
-        complete[a] = done_groups[r, :len(a)]
-    if "stream" not in features:
+    else:
         # DP rank r trains rows r::R of the step's sequences in prompt order (megarl/rl/batching.py).
         flat = (sl.lengths + sl.prompt_len[:, None])[complete].ravel()
         left = np.array([profile.train_s(flat[r::R], stream=False) for r in range(R)]) / knobs.tp
@@ -205,16 +255,7 @@ def simulate_step(sl: StepLengths, features: frozenset, profile: Profile, knobs:
         # to overrun the bubble; at GPU unit lengths the two agree.)
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
         train += 0.5 * unit / (profile.speed(R, "train") if profile.cores is not None else 1.0)
-    all_speed = profile.speed(R, "train") if profile.cores is not None else 1.0
-    train += profile.finish_s(R) / all_speed
-    sync = profile.sync_s(R) / all_speed
-    out = StepResult(step_time_s=rollout_s + after_s + train + sync, rollout_s=rollout_s, train_s=train, sync_s=sync,
-                     bubble_frac=bubble_frac, tail_share=tail_share(wall_finish, rollout_s),
-                     responses=int(real.sum()), complete=complete,
-                     extra={"gen_end": phase.normal_end, "forwards": float(res.forwards.sum()),
-                            "stream_in_bubble_s": float(stream_done.sum()), "pregen_s": float(pregen_s.sum()),
-                            "pregen_after_s": after_s})
-    return out, new
+    return train
 
 
 def _pregen_cover(lens: np.ndarray, prompt: np.ndarray, budget: np.ndarray, profile: Profile, knobs: StepKnobs

@@ -1,8 +1,7 @@
-"""The rollout stage of a synchronous GRPO step: which prompts, G samples each, rewards.
-
-Data order is a pure function of (seed, step): step t takes prompts [t*P, (t+1)*P) of the
-concatenated per-epoch permutations, so a resumed run and a rank that pre-generates step t+1
-(bubble drafts, docs/design.md §1.2) know the prompts without communication.
+"""The rollout stage of a synchronous GRPO step (docs/design.md §3, step 2): each rollout replica
+generates its share of the step's prompts (megarl/sched/placement.py), G samples each, scored in a
+worker pool as they finish; a replica done early does bubble work until the last one is; then the
+replicas exchange their groups. Which prompts a step takes is megarl/sched/prompts.py's.
 """
 from __future__ import annotations
 
@@ -168,7 +167,7 @@ class RolloutStage:
 
         ``keep`` (tail batching, megarl/sched/tail.py): stop generating once ``keep`` prompts are
         complete (each replica once its share, ``ceil(keep / replicas)``, is): only the complete
-        groups are returned, in ``uids`` order, and the others are left in ``self.deferred``.
+        groups are returned, in ``uids`` order, and the others are left in ``self.aborted``.
         Completion is counted in engine iterations, so which prompts make it is deterministic."""
         tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
@@ -206,11 +205,6 @@ class RolloutStage:
         for grp in groups:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
-
-    @property
-    def deferred(self) -> list[int]:
-        """The prompts the last run() left incomplete, in ``uids`` order."""
-        return list(self.aborted)
 
     def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
         """Bubble work until every replica is done, then every replica's results and rewards to

@@ -1,0 +1,1 @@
+"""Stream training: a step's groups trained while its rollout still runs (docs/design.md §3)."""

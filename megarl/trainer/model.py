@@ -24,7 +24,6 @@ from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
 from megarl.models.rope import inv_freq_and_scale
 from megarl.trainer import cpu_compat
-from megarl.trainer.cpu_compat import transformer_engine_importable
 from megarl.parallel.dist import ParallelDims
 from megarl.trainer.sequence_parallel import block_spec, check_length, gather_before_output_layer, local_length
 
@@ -202,7 +201,7 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
     # without the [b*heads, s, s] score and probability tensors, and packed sequences.
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
-                "importable" if transformer_engine_importable() else "not importable")
+                "importable" if cpu_compat.transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype, recompute)
     if dims.sequence_parallel:  # megarl/trainer/sequence_parallel.py: norms that allow it
         spec = block_spec(spec, cfg, vp_stage=chunk if dims.vpp > 1 else None)
@@ -299,46 +298,52 @@ def sdpa_attention_class():
             self.left = (cfg.window_size[0] if is_layer_window_attention(
                 cfg.window_size, cfg.window_attn_skip_freq, self.layer_number) else None)
 
-        def _attend(self, q, k, v, gqa):
-            """SDPA over [b, n, s, d]: causal, and within ``self.left`` keys to the left in a sliding layer."""
-            if self.left is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                      enable_gqa=gqa)
-            s = q.shape[-2]
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(-self.left)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
-
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             """``query`` [s, b, heads, d], ``key``/``value`` [s, b, groups, d] (THD: [t, heads, d] /
             [t, groups, d]) -> [s, b, heads * d] (THD: [t, heads * d])."""
             if attention_bias is not None:
                 raise ValueError("megarl's SDPA attention takes no attention bias")
-            gqa = query.shape[-2] != key.shape[-2]
-            attend = functools.partial(self._attend, gqa=gqa)
+            attend = functools.partial(_sdpa, scale=self.softmax_scale, left=self.left,
+                                       gqa=query.shape[-2] != key.shape[-2])
             if packed_seq_params is None:
                 # [s, b, n, d] -> [b, n, s, d] (views), and back to [s, b, n * d]
                 out = attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
                 return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; valid: 'thd'")
-            if query.dim() == 4:  # [t, 1, n, d]
-                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            cu = packed_seq_params.cu_seqlens_q.long()
-            t, n, width = query.shape[0], len(cu) - 1, int(packed_seq_params.max_seqlen_q)
-            lengths = cu[1:] - cu[:-1]
-            # where each packed token goes in the [n * width] padded layout: row * width + position
-            slot = torch.arange(t, device=cu.device) + torch.repeat_interleave(
-                torch.arange(n, device=cu.device) * width - cu[:-1], lengths, output_size=t)
-
-            def padded(x):  # [t, heads, d] -> [n, heads, width, d]
-                out = x.new_zeros(n * width, *x.shape[1:]).index_copy(0, slot, x)
-                return out.view(n, width, *x.shape[1:]).transpose(1, 2)
-
-            out = attend(padded(query), padded(key), padded(value))  # [n, heads, width, d]
-            return out.transpose(1, 2).reshape(n * width, -1).index_select(0, slot)
+            return _packed_attention(attend, query, key, value, packed_seq_params)
 
     return SdpaDotProductAttention
+
+
+def _sdpa(q, k, v, scale: float, left: int | None, gqa: bool) -> torch.Tensor:
+    """SDPA over [b, n, s, d]: causal, and within ``left`` keys to the left in a sliding layer."""
+    if left is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    s = q.shape[-2]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(-left)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _packed_attention(attend, query, key, value, packed_seq_params) -> torch.Tensor:
+    """``attend`` over packed sequences (THD: ``query`` [t, heads, d], ``key``/``value`` [t, groups,
+    d]), each right padded into one [sequences, heads, longest, d] batch -> [t, heads * d]."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; valid: 'thd'")
+    if query.dim() == 4:  # [t, 1, n, d]
+        query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+    cu = packed_seq_params.cu_seqlens_q.long()
+    t, n, width = query.shape[0], len(cu) - 1, int(packed_seq_params.max_seqlen_q)
+    lengths = cu[1:] - cu[:-1]
+    # where each packed token goes in the [n * width] padded layout: row * width + position
+    slot = torch.arange(t, device=cu.device) + torch.repeat_interleave(
+        torch.arange(n, device=cu.device) * width - cu[:-1], lengths, output_size=t)
+
+    def padded(x):  # [t, heads, d] -> [n, heads, width, d]
+        out = x.new_zeros(n * width, *x.shape[1:]).index_copy(0, slot, x)
+        return out.view(n, width, *x.shape[1:]).transpose(1, 2)
+
+    out = attend(padded(query), padded(key), padded(value))  # [n, heads, width, d]
+    return out.transpose(1, 2).reshape(n * width, -1).index_select(0, slot)
 
 
 class _GatherVocab(torch.autograd.Function):

@@ -132,8 +132,7 @@ class Trainer(TrainerState):
         (:func:`megarl.models.init_weights.init_hf_state`), the same for every layout."""
         if sum(x is not None for x in (hf_dir, mcore_dir, hf_state)) > 1:
             raise ValueError("Trainer takes one of hf_dir, mcore_dir and hf_state")
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import DistributedDataParallelConfig
         self.args, self.cfg, self.dims = args, cfg, dims
         self.dtype = parse_dtype(cfg.dtype)
         self.mixed_precision = self.dtype == torch.bfloat16
@@ -161,33 +160,40 @@ class Trainer(TrainerState):
             use_distributed_optimizer=cfg.distributed_optimizer,
             check_for_nan_in_grad=True,
         )
-        # One model chunk per virtual pipeline stage of this rank (one without vpp), each wrapped
-        # in its own DDP as Megatron's get_model does (bucketing only for the first chunk).
-        self.models = []
-        for chunk in range(dims.vpp):
-            model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute)
-            if hf_dir is not None:
-                load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
-                                                ep=dims.ep, ep_rank=dims.ep_rank))
-            elif mcore_dir is not None:  # converted pieces of this layout, or a torch_dist folder (any)
-                self._load_mcore_start(model, mcore_dir, chunk)
-            else:
-                load_hf_state(model, hf_state, args, dims, chunk=chunk)
-            mcfg = model.config
-            # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised
-            # by the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
-            mcfg.calculate_per_token_loss = True
-            # Megatron's schedules all-reduce DP gradients (and the tied embedding's grads across
-            # the first and last pipeline stage) only through this hook; unset, they never would be.
-            mcfg.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
-            # Micro-batches are trimmed to their longest row, so pipeline stages exchange shapes
-            # (not with virtual stages: see _split).
-            mcfg.variable_seq_lengths = dims.pp > 1 and dims.vpp == 1
-            self.models.append(DistributedDataParallel(mcfg, ddp_cfg, model, disable_bucketing=chunk > 0,
-                                                       pg_collection=dims.pg_collection))
-            if model.post_process:
-                model.output_layer.register_forward_pre_hook(self._select_hidden)
+        self.models = [self._wrapped_chunk(chunk, ddp_cfg, seed, hf_dir, mcore_dir, hf_state)
+                       for chunk in range(dims.vpp)]
         self._build_optimizer()
+
+    def _wrapped_chunk(self, chunk: int, ddp_cfg, seed: int, hf_dir: str | None, mcore_dir: str | None,
+                       hf_state: dict[str, torch.Tensor] | None):
+        """Model chunk ``chunk`` (a virtual pipeline stage of this rank; the only one without vpp)
+        with its starting weights, wrapped in its own DDP as Megatron's get_model does (bucketing
+        only for the first chunk)."""
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        args, dims, cfg = self.args, self.dims, self.cfg
+        model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute)
+        if hf_dir is not None:
+            load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
+                                            ep=dims.ep, ep_rank=dims.ep_rank))
+        elif mcore_dir is not None:  # converted pieces of this layout, or a torch_dist folder (any)
+            self._load_mcore_start(model, mcore_dir, chunk)
+        else:
+            load_hf_state(model, hf_state, args, dims, chunk=chunk)
+        mcfg = model.config
+        # Gradients are summed across micro-batches and DP replicas: loss_fn already normalised
+        # by the global count. With this flag Megatron's DDP all-reduces with scaling factor 1.
+        mcfg.calculate_per_token_loss = True
+        # Megatron's schedules all-reduce DP gradients (and the tied embedding's grads across
+        # the first and last pipeline stage) only through this hook; unset, they never would be.
+        mcfg.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
+        # Micro-batches are trimmed to their longest row, so pipeline stages exchange shapes
+        # (not with virtual stages: see _split).
+        mcfg.variable_seq_lengths = dims.pp > 1 and dims.vpp == 1
+        wrapped = DistributedDataParallel(mcfg, ddp_cfg, model, disable_bucketing=chunk > 0,
+                                          pg_collection=dims.pg_collection)
+        if model.post_process:
+            model.output_layer.register_forward_pre_hook(self._select_hidden)
+        return wrapped
 
     def _select_hidden(self, module, args):
         """Forward pre-hook of the output layer: during the trainer's forwards, only the hidden

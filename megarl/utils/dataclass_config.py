@@ -53,22 +53,12 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` read from YAML or ``--set`` as the field type ``tp`` (``key`` names it in errors)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} is not a valid {' | '.join(_type_name(a) for a in args)}")
+        return _coerce_union(value, typing.get_args(tp), key)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -88,6 +78,25 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, "
                               f"got {value!r}")
         return from_dict(tp, value, prefix=f"{key}.")
+    return _coerce_scalar(value, tp, key)
+
+
+def _coerce_union(value: Any, args: tuple, key: str) -> Any:
+    """The first of the union's types that ``value`` reads as (None where the union allows it)."""
+    if value is None and type(None) in args:
+        return None
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _coerce(value, a, key)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key}: {value!r} is not a valid {' | '.join(_type_name(a) for a in args)}")
+
+
+def _coerce_scalar(value: Any, tp: Any, key: str) -> Any:
+    """``value`` as a bool, int, float or str field: no silent conversion but YAML's number strings."""
     if tp is bool:
         if isinstance(value, bool):
             return value

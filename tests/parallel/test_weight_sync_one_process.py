@@ -10,7 +10,7 @@ from megarl.models.init_weights import init_hf_state
 from megarl.models.llama import CausalLM
 from megarl.parallel import weight_sync
 from megarl.parallel.checksum import tensor_checksum, weight_checksum
-from megarl.parallel.weight_sync import WeightSync, WeightSyncError, sync_weights
+from megarl.parallel.weight_sync import WeightSync, WeightSyncError
 from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.parallel.weight_sync_worker import BUCKET_MB, DENSE, MOE, SEED, case_args
 
@@ -86,11 +86,12 @@ def test_corrupted_sync_is_caught(dims, make_args, monkeypatch):
         if dst.data_ptr() == norm.data_ptr():
             dst[0] += 1e-3
 
+    sync = WeightSync(trainer, engine)
     monkeypatch.setattr(weight_sync, "_copy_to_engine", lossy_copy)
     with pytest.raises(WeightSyncError, match=r"rank 0: bucket 0: engine tensor model\.norm\.weight"):
-        sync_weights(trainer, engine)
+        sync()
     monkeypatch.setattr(weight_sync, "_copy_to_engine", original)
-    sync_weights(trainer, engine)  # and the next sync repairs it
+    sync()  # and the run's next sync repairs it
 
 
 def test_mismatched_engine_is_refused(dims, make_args):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarl.engine import Engine, EngineConfig
-from megarl.sched.bubble import ScheduleConfig, lower_thread_priority, run_bubble_work
+from megarl.sched.bubble import BubbleWorker, ScheduleConfig, lower_thread_priority
 from megarl.sched.timeline import StepTimeline, bubble_fraction, replica_sum
 from megarl.spec.config import SpecConfig
 from megarl.spec.speculator import Speculator
@@ -142,7 +142,7 @@ def test_low_priority_thread_runs_the_work_and_raises_its_errors():
         seen["sum"] = float(torch.ones(3).sum())
         return {"done": 1}
 
-    assert run_bubble_work(work, low_priority=True, flush_denormal=True) == {"done": 1}
+    assert BubbleWorker(work, low_priority=True, flush_denormal=True).join() == {"done": 1}
     assert seen == {"thread": "megarl-bubble", "sum": 3.0}
     assert threading.current_thread() is threading.main_thread()
 
@@ -150,8 +150,8 @@ def test_low_priority_thread_runs_the_work_and_raises_its_errors():
         raise RuntimeError("bubble failed")
 
     with pytest.raises(RuntimeError, match="bubble failed"):
-        run_bubble_work(bad, low_priority=True)
-    assert run_bubble_work(lambda: {"x": 2}, low_priority=False) == {"x": 2}
+        BubbleWorker(bad, low_priority=True).join()
+    assert BubbleWorker(lambda: {"x": 2}, low_priority=False).join() == {"x": 2}
 
 
 def test_lower_thread_priority_only_touches_the_calling_thread():

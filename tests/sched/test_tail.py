@@ -77,19 +77,19 @@ def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():
     full = {g.problem.uid: g for g in stage.run(uids, step=2)}
     handed = []
     kept = stage.run(uids, step=2, keep=3, on_group=handed.append)
-    assert 3 <= len(kept) < 8 and len(kept) + len(stage.deferred) == 8
-    assert sorted([g.problem.uid for g in kept] + stage.deferred) == uids
+    assert 3 <= len(kept) < 8 and len(kept) + len(stage.aborted) == 8
+    assert sorted([g.problem.uid for g in kept] + list(stage.aborted)) == uids
     for g in kept:  # the very samples and rewards a full rollout gives these prompts
         assert [r.tokens for r in g.results] == [r.tokens for r in full[g.problem.uid].results]
         assert g.rewards == full[g.problem.uid].rewards
     # ... and they are the prompts whose longest sample is shortest (first to complete)
     longest = {u: max(len(r.tokens) for r in g.results) for u, g in full.items()}
-    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.deferred)
+    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.aborted)
     assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
     # rollouts.jsonl's deferred entries (the simulator's replay): each deferred prompt's samples as
     # the stop left them: finished ones whole, running ones a strict prefix of their full response
     line = rollout_line(2, kept, stage.aborted)
-    assert [d["uid"] for d in line["deferred"]] == stage.deferred
+    assert [d["uid"] for d in line["deferred"]] == list(stage.aborted)
     for d in line["deferred"]:
         full_lens = [len(r.tokens) for r in full[d["uid"]].results]
         assert "aborted" in d["finish_reasons"]

@@ -11,7 +11,7 @@ import torch
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
-from megarl.sched.bubble import ScheduleConfig, run_bubble_work
+from megarl.sched.bubble import BubbleWorker, ScheduleConfig
 from megarl.spec.bandit import ARMS, StrategyBandit, bucket_of
 from megarl.spec.config import DrafterConfig, SpecConfig
 from megarl.spec.drafter import load_drafter, save_drafter
@@ -157,7 +157,7 @@ def test_drafter_training_stops_within_one_step_in_a_bubble():
     eng = _drafter_engine(_target(), max_batch_size=8)
     eng.generate(_requests(range(8)), step=0)
     trainer = eng.spec.drafter.trainer
-    out = run_bubble_work(lambda: trainer.train(_stop_after(3)), low_priority=True, flush_denormal=True)
+    out = BubbleWorker(lambda: trainer.train(_stop_after(3)), low_priority=True, flush_denormal=True).join()
     assert out["drafter_train_steps"] == 3 and trainer.steps == 3
     # stopped from another thread while it trains: at most the step in flight finishes after
     flag = threading.Event()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.engine import Engine, EngineConfig
-from megarl.parallel.weight_sync import sync_weights
+from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import GRPOConfig, UpdateSpec
 from megarl.stages.rollout import RolloutStage
 from megarl.stages.update import grpo_update
@@ -31,12 +31,12 @@ def _train_steps(dims, cfg, inputs, grpo: GRPOConfig, steps: int):  # noqa: F811
                       hf_state=model.hf_state_dict())
     stage = RolloutStage(engine, inputs, cfg.rollout, cfg.reward)
     spec = UpdateSpec(grpo, cfg.rollout.group_size, cfg.rollout.temperature, inputs.tokenizer.pad_id)
-    outs = []
+    outs, sync = [], WeightSync(trainer, engine)
     for step in range(steps):
         groups = stage.run(list(range(len(inputs.problems))), step=step)
         _spread_rewards(groups, step)
         outs.append(grpo_update(trainer, groups, spec))
-        sync_weights(trainer, engine)
+        sync()
     stage.close()
     return outs, trainer.hf_state_dict(), model
 

@@ -18,7 +18,7 @@ from megarl.checkpoint.rl_state import load_checkpoint, save_checkpoint  # noqa:
 from megarl.engine import Engine, EngineConfig  # noqa: E402
 from megarl.models.llama import CausalLM  # noqa: E402
 from megarl.parallel.checksum import tensor_checksum  # noqa: E402
-from megarl.parallel.weight_sync import sync_weights  # noqa: E402
+from megarl.parallel.weight_sync import WeightSync  # noqa: E402
 from megarl.parallel.dist import init_parallel, teardown  # noqa: E402
 from megarl.trainer.trainer import Trainer, TrainerConfig  # noqa: E402
 
@@ -42,7 +42,7 @@ def main(out: str, dtype: str) -> None:
         torch.distributed.all_gather_object(res[sharded]["opt_bytes"], tr.optimizer_state_bytes())
         if sharded:  # every DP rank's engine gets the all-gathered weights (the sync checks all ranks agree)
             engine = Engine(CausalLM(args), EngineConfig(max_batch_size=2, max_seq_len=16, dtype=dtype), seed=0)
-            sync_weights(tr, engine)
+            WeightSync(tr, engine)()
             sums = [None] * dims.dp
             torch.distributed.all_gather_object(sums, tensor_checksum(engine.model.state_dict()))
             res["engine_checksums"] = sums + [tensor_checksum(tr.hf_state_dict())]

@@ -127,7 +127,7 @@ def test_resume_checks_let_a_folder_checkpoint_reshard(tmp_path):
     """train.py's checks before a resume: a torch_dist checkpoint may change TP/PP/DP, not the
     optimizer kind; a per-piece one may not change TP/PP."""
     from megarl.config import load_config
-    from megarl.resume import RunDirError, _check_checkpoint_fits
+    from megarl.resume import RunDirError, check_checkpoint_fits
 
     ckpt = tmp_path / "step_000002"
     ckpt.mkdir()
@@ -135,13 +135,13 @@ def test_resume_checks_let_a_folder_checkpoint_reshard(tmp_path):
     state = {"step": 2, "trainer_tp": 1, "trainer_pp": 2, "trainer_vpp": 1, "trainer_format": "torch_dist",
              "trainer_distributed_optimizer": False}
     (ckpt / "state.json").write_text(json.dumps(state))
-    _check_checkpoint_fits(ckpt, cfg)  # TP 1 -> 2, PP 2 -> 1: allowed
+    check_checkpoint_fits(ckpt, cfg)  # TP 1 -> 2, PP 2 -> 1: allowed
     (ckpt / "state.json").write_text(json.dumps({**state, "trainer_distributed_optimizer": True}))
     with pytest.raises(RunDirError, match="trainer.distributed_optimizer=True"):
-        _check_checkpoint_fits(ckpt, cfg)
+        check_checkpoint_fits(ckpt, cfg)
     (ckpt / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "trainer_format"}))
     with pytest.raises(RunDirError, match="does not reshard"):
-        _check_checkpoint_fits(ckpt, cfg)
+        check_checkpoint_fits(ckpt, cfg)
 
 
 def test_folder_format_is_refused_where_it_is_not_built(monkeypatch):
