@@ -95,13 +95,15 @@ def _timed(fn) -> tuple[float, object]:
 class _Sides:
     """The decoders of one (dtype, batch) cell, each a ``run(name, lengths, T) -> (s, tokens)``."""
 
-    def __init__(self, hf, model, dtype: str, batch: int, prompts, max_len: int, vllm, threads: int):
+    def __init__(self, names: list[str], hf, model, dtype: str, batch: int, prompts, max_len: int, vllm,
+                 threads: int):
         self.hf, self.prompts, self.vllm, self.threads = hf, prompts, vllm, threads
         cfg = EngineConfig(max_batch_size=batch, max_seq_len=max_len, dtype=dtype)
-        self.engine = Engine(model, cfg, seed=0)  # the two engines share the (read-only) model
+        # the two engines share the (read-only) model; each holds a KV cache, so only when measured
+        self.engine = Engine(model, cfg, seed=0) if "engine" in names else None
         spec = Speculator(SpecConfig(enabled=True, sources=("bubble",), k_init=SPEC_K, k_min=SPEC_K, k_max=SPEC_K,
                                      forward_cost_tokens=0, max_batch=1 << 30))
-        self.spec = Engine(model, cfg, seed=0, spec=spec)
+        self.spec = Engine(model, cfg, seed=0, spec=spec) if "engine_spec" in names else None
         self.ids = torch.tensor(prompts)
         self._step = 0
 
@@ -191,8 +193,8 @@ def bench_engine_model(model_dir: str, bench: ModelBench, json_path: str) -> dic
         vllm = _start_vllm(model, dtype, max(bench.batch_sizes), max_len) if "vllm" in bench.sides else None
         try:
             for batch in bench.batch_sizes:
-                sides = _Sides(hf, model, dtype, batch, _prompts(args.vocab_size, batch, bench.prompt_len), max_len,
-                               vllm, bench.threads)
+                sides = _Sides(bench.sides, hf, model, dtype, batch, _prompts(args.vocab_size, batch, bench.prompt_len),
+                               max_len, vllm, bench.threads)
                 for temperature in bench.temperatures:
                     for mode in bench.lengths:
                         lengths = response_lengths(mode, batch, bench.new_tokens)
