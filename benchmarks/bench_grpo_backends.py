@@ -8,8 +8,8 @@ final export is not timed), started with the same environment for both backends:
 recommended CPU set-up (tcmalloc and Intel OpenMP preloaded where installed, OMP_NUM_THREADS,
 VLLM_ENABLE_V1_MULTIPROCESSING=0: megarl/bench/engine_vllm.py), or this process's own
 (``--env as-is``). Each step's line of metrics.jsonl gives its times: ``rollout_time_s`` (generation
-and rewards), ``train_time_s`` (the update), ``weight_sync_s`` (``vllm_load_s`` of it: vLLM
-reloading the synced weights), ``step_time_s`` (all of it). Printed per step as it is read, then per
+and rewards), ``train_time_s`` (the update), ``weight_sync_s`` (trainer -> engine's staging copy),
+``vllm_load_s`` (then vLLM reloading those weights), ``step_time_s`` (all of it). Printed per step as it is read, then per
 backend the median over the steps after the first (the first pays warm-up) of each round's and the
 fastest round's, and vLLM's over megarl's. The two backends sample different tokens at T > 0
 (docs/rollout_backends.md), so their responses' lengths, and so their rollout work, differ: the
