@@ -188,7 +188,8 @@ def _add_bench_run_parsers(bench) -> None:
 def _add_bench_engine_parser(bench) -> None:
     """``bench engine``: the engine alone, its model shapes given as flags (no run config)."""
     b = bench.add_parser("engine", help="decode tokens/s of the rollout engine (speculation off/on) next to "
-                                        "transformers generate and the memory-bandwidth bound; verify cost")
+                                        "transformers generate and the memory-bandwidth bound; verify cost; with "
+                                        "--model: real weights, next to vLLM-CPU too")
     b.add_argument("--json", required=True, help="where to write the figures")
     b.add_argument("--model-size", default="1.5b", choices=["1.5b", "tiny"],
                    help="1.5b: Qwen2.5-1.5B shapes (random weights); tiny: a small model for CPU runs")
@@ -204,11 +205,18 @@ def _add_bench_engine_parser(bench) -> None:
                    help="memory bandwidth of the bound, GB/s (default 3350: H100 SXM; only meaningful on a GPU)")
     b.add_argument("--repeats", type=int, default=2, help="timed runs per figure (the fastest counts)")
     b.add_argument("--model", metavar="HF_DIR", help="real weights from a HF folder (e.g. `megarl fetch smollm2`): "
-                   "greedy engine vs generate on them, fp32 and bf16 (or --dtype), batch 1,8,32,64, prompt 32, "
-                   "48 new tokens by default; --model-size/--kv-cache/--hbm-gbps do not apply")
+                   "engine vs generate vs vLLM on them, fp32 and bf16 (or --dtype), T=0 and 1, batch "
+                   "1,8,32,64, prompt 32, 48 new tokens by default; --model-size/--kv-cache/--hbm-gbps do not apply")
     b.add_argument("--lengths", default="both", choices=["tailed", "equal", "both"],
                    help="with --model: long-tailed response lengths, all equal, or both (default)")
-    b.add_argument("--threads", type=int, default=2, help="with --model: torch threads of both sides (default 2)")
+    b.add_argument("--threads", type=int, default=2, help="with --model: torch threads of every side (default 2)")
+    b.add_argument("--sides", help="with --model: comma-separated decoders, run in this order each round, of hf "
+                   "(transformers generate), engine, engine_spec, vllm (default: all four; vllm needs `make vllm`)")
+    b.add_argument("--temperatures", help="with --model: comma-separated, 0 (greedy) and/or 1 (default 0,1)")
+    b.add_argument("--vllm-setup", default="recommended", choices=["recommended", "as-is"],
+                   help="with the vllm side: recommended (default) re-runs the bench in a process started with "
+                        "vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded where installed, OMP_NUM_THREADS="
+                        "--threads, VLLM_ENABLE_V1_MULTIPROCESSING=0), shared by every side; as-is: this process")
 
 
 
@@ -324,6 +332,7 @@ def _unlock(lock, created: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a re-run in a fresh process repeats
     from megarl.parallel.launch_env import LaunchEnvError, export_launch_env
 
     try:  # an srun / mpirun task's rank as torchrun's RANK/WORLD_SIZE, read from here on
