@@ -19,9 +19,10 @@ CPU time is the process's (all threads) over the same decode tokens, in ms per t
   request. Torch's thread count is set before vLLM starts (its CPU worker turns
   ``torch.set_num_threads`` into a no-op afterwards), so both run on the same ``--threads``.
 
-Greedy fp32 tokens of the two are compared row by row (``same``). The allocator and OpenMP runtime
-are the process's: launch under ``scripts/cpu_launch.sh`` (``megarl.utils.cpu_launch``) to give both
-sides tcmalloc and Intel OpenMP, as vLLM's CPU guide recommends.
+Greedy tokens of the two are compared row by row (``same``). The allocator, OpenMP runtime and
+OpenMP wait policy are the process's, shared by both sides: set them in the environment that starts
+this script (``OMP_WAIT_POLICY=PASSIVE`` as ``megarl`` sets it; ``LD_PRELOAD`` of tcmalloc and Intel
+OpenMP as vLLM's CPU guide recommends; ``benchmarks/bench_launch_env.py`` compares such settings).
 
 ``--profile``: instead of timing, one torch-profiler pass per side over a decode run at each batch
 size (time per operator per decode token, the top entries), for docs/benchmarks.md.
