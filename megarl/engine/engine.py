@@ -43,7 +43,7 @@ from megarl.engine.static_step import StaticStep
 from megarl.engine.tp_model import TPCausalLM, tp_shard
 from megarl.models import packed_linear
 from megarl.models.llama import CausalLM
-from megarl.engine.verify import verify
+from megarl.engine.verify import sample_rows, verify
 from megarl.utils.cpu_alloc import keep_freed_memory
 
 # Uncoupled control drafts (``pregenerate(coupled=False)``) use a step key no real step reaches.
@@ -285,8 +285,7 @@ class Engine:
         if self.static is not None:  # the same work over fixed shapes (EngineConfig.static_shapes)
             return _Verified(*self.static.run(batch, step))
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
-        n_new = [len(x) for x in inputs]
-        dev = self.device
+        n_new, dev = [len(x) for x in inputs], self.device
         hidden = self._forward([s.slot for s in batch.seqs], inputs)  # [N, H], packed
         # Verified rows: the last pending token and each draft token, in order, request by request.
         keep, draft_next, n_rows, off = [], [], [], 0
@@ -298,20 +297,24 @@ class Engine:
         h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
         logits = self.head_logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
-        row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
         per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
-        temp = per_req([r.params.temperature for r in reqs], self.sample_dtype)
-        tokens, n_accept = verify(
-            logits, per_req(draft_next, torch.int64), row_start, temp,
-            per_req([r.params.top_k for r in reqs], torch.int64), per_req([r.params.top_p for r in reqs], self.sample_dtype),
-            per_req([r.uid for r in reqs], torch.int64), per_req([r.sample_idx for r in reqs], torch.int64),
-            per_req([len(s.tokens) for s in batch.seqs], torch.int64), self.seed, step)
-        logprobs, entropies = token_stats(logits, temp.repeat_interleave(torch.tensor(n_rows, device=dev)), tokens)
-        out = _Verified([], [], [], n_accept.tolist())
+        temp, top_p = per_req([[r.params.temperature, r.params.top_p] for r in reqs], self.sample_dtype).T
+        top_k, uid, sample_idx, position0 = per_req(
+            [[r.params.top_k, r.uid, r.sample_idx, len(s.tokens)] for r, s in zip(reqs, batch.seqs)], torch.int64).T
+        if len(keep) == len(reqs) and dev.type == "cpu" and not self._hidden_hook:  # no drafts: nothing to verify
+            tokens = sample_rows(logits, temp, top_k, top_p, uid, sample_idx, position0, self.seed, step)
+            n_accept, row_temp = [0] * len(reqs), temp
+        else:
+            row_start = per_req([0] + list(itertools.accumulate(n_rows)), torch.int64)
+            tokens, n_acc = verify(logits, per_req(draft_next, torch.int64), row_start, temp, top_k, top_p,
+                                   uid, sample_idx, position0, self.seed, step)
+            n_accept, row_temp = n_acc.tolist(), temp.repeat_interleave(per_req(n_rows, torch.int64))
+        logprobs, entropies = token_stats(logits, row_temp, tokens)
+        out = _Verified([], [], [], n_accept)
         if self._hidden_hook:  # the accepted rows' hidden states, for a learned drafter
             self.spec.on_verify(reqs, h, tokens, n_rows, out.n_accept, [len(s.tokens) for s in batch.seqs])
         tokens, logprobs, entropies = tokens.tolist(), logprobs.tolist(), entropies.tolist()
-        for b, lo in enumerate(row_start[:-1].tolist()):
+        for b, lo in enumerate(itertools.accumulate([0] + n_rows[:-1])):
             hi = lo + out.n_accept[b] + 1
             out.tokens.append(tokens[lo:hi])
             out.logprobs.append(logprobs[lo:hi])
@@ -408,11 +411,8 @@ class Engine:
 
     def _finish_reason(self, s: _Seq, tok: int) -> str | None:
         p = s.req.params
-        if tok in p.stop_token_ids:
-            return "stop"
-        if len(s.tokens) >= p.max_new_tokens or len(s.req.prompt_ids) + len(s.tokens) >= self.cfg.max_seq_len:
-            return "length"
-        return None
+        full = len(s.tokens) >= p.max_new_tokens or len(s.req.prompt_ids) + len(s.tokens) >= self.cfg.max_seq_len
+        return "stop" if tok in p.stop_token_ids else "length" if full else None
 
     # ------------------------------------------------------------------ helpers
     def _validate(self, requests: list[Request]) -> None:

@@ -47,6 +47,16 @@ def verify_torch(logits, draft_next, row_start, temperature, top_k, top_p, uid, 
     return tokens, accept_counts(tokens, draft_next, row_start)
 
 
+def sample_rows(logits, temperature, top_k, top_p, uid, sample_idx, position0, seed: int, step: int) -> torch.Tensor:
+    """``verify``'s tokens when every request has exactly one row and no draft (plain decoding):
+    the same ``sample_keyed`` call ``verify_torch`` makes for such a batch (request b's row has the
+    key position ``position0[b]``), without the input checks, row grouping and accept counts that
+    only drafts need (~40 small tensor ops per step). Arguments as ``verify``'s, without
+    ``draft_next`` and ``row_start``; inputs are the caller's to check."""
+    return sample_keyed(logits, temperature.to(logits.dtype), top_k, top_p.to(torch.float64), seed, step, uid,
+                        sample_idx, position0)
+
+
 def _triton_usable(logits: torch.Tensor) -> bool:
     if not logits.is_cuda or logits.dtype not in TRITON_DTYPES:
         return False

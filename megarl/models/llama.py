@@ -89,13 +89,18 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: dict | None = None):
-    """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2;
-    ``scaling``: a llama3/yarn ``ModelArgs.rope_scaling`` (megarl/models/rope.py), None for plain RoPE."""
+    """cos and signed sin, each [B, T, 1, D], for the rotate-half RoPE convention used by HF
+    Llama/Qwen2 (``apply_rope``); ``scaling``: a llama3/yarn ``ModelArgs.rope_scaling``
+    (megarl/models/rope.py), None for plain RoPE. The sin's first half is negated: rotate-half's
+    sign, folded in once per forward instead of a negation of q and k in every layer (``-a * b``
+    and ``a * -b`` are the same float, so the result is HF's bit for bit)."""
     calc = torch.promote_types(dtype, torch.float32)
     inv_freq, scale = inv_freq_and_scale(head_dim, theta, scaling, calc, positions.device)
     freqs = positions.to(calc)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    sin = (emb.sin() * scale).to(dtype)
+    half = head_dim // 2
+    return (emb.cos() * scale).to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,9 +134,11 @@ def _fused_is_current(fused, first: nn.Linear) -> bool:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with ``sin`` signed as ``rope_cos_sin`` returns it:
+    rotate_half(x) = cat(-x2, x1), so rotate_half(x) * sin = cat(x2, x1) * signed sin, exactly."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 class Attention(nn.Module):
@@ -164,8 +171,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         b, t, _ = x.shape
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _fused_is_current(self._qkv, self.q_proj):
+            # q and k sit side by side in the fused projection's output: RoPE runs once over both
+            # heads (elementwise, so each value is what separate calls give; 4 kernels, not 8).
+            qkv = linear(x, *self._qkv)
+            n_qk = (self.n_heads + self.n_kv) * self.head_dim
+            qk = apply_rope(qkv[..., :n_qk].view(b, t, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+            v = qkv[..., n_qk:].view(b, t, self.n_kv, self.head_dim)
+        else:
+            q, k, v = self.project(x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 

@@ -257,3 +257,27 @@ def test_triton_gpu_parity_realistic_vocab():
 
 if __name__ == "__main__":
     _interpreter_worker(sys.argv[1])
+
+
+def test_sample_rows_equals_verify_on_one_row_per_request():
+    """Plain decoding's shortcut (``sample_rows``, no drafts) gives verify's tokens for the same
+    batch: every (temperature, top_k, top_p) of the matrix, top_p passed in float32 as the engine
+    passes it, position keys that differ per request, float32 and float64 logits."""
+    from megarl.engine.verify import sample_rows
+
+    g = torch.Generator().manual_seed(7)
+    b = len(COMBOS)
+    for dtype in (torch.float32, torch.float64):
+        logits = (torch.randn(b, 97, generator=g) * 3).to(dtype)
+        temp = _per_req([c[0] for c in COMBOS], dtype, "cpu")
+        top_k = _per_req([c[1] for c in COMBOS], torch.int64, "cpu")
+        top_p = _per_req([c[2] for c in COMBOS], torch.float32, "cpu")
+        uid = _per_req([11 * i + 3 for i in range(b)], torch.int64, "cpu")
+        sidx = _per_req([i % 4 for i in range(b)], torch.int64, "cpu")
+        pos = _per_req([5 * i for i in range(b)], torch.int64, "cpu")
+        want, n_accept = verify(logits, torch.full((b,), -1), torch.arange(b + 1), temp, top_k, top_p, uid, sidx,
+                                pos, 1234, 9)
+        got = sample_rows(logits, temp, top_k, top_p, uid, sidx, pos, 1234, 9)
+        assert torch.equal(got, want) and not n_accept.any()
+        # the keys matter: another step samples other tokens at T > 0
+        assert not torch.equal(sample_rows(logits, temp, top_k, top_p, uid, sidx, pos, 1234, 10), want)
