@@ -18,10 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-from megarl.utils import omp_env
 from megarl.utils.dataclass_config import ConfigError
 
-omp_env.apply()  # before anything imports torch: OpenMP reads its wait policy when it is loaded
 log = logging.getLogger("megarl")
 
 # Caught while the input is checked, before anything is written (what bad input raises there).
