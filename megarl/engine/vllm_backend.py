@@ -3,7 +3,8 @@
 
 What the rollout stage and the weight sync use of an engine, and nothing more (so another
 production engine, e.g. SGLang, can stand behind the same few calls): ``generate(requests, step,
-on_finish)``, ``reset_stats``/``stats``, ``spec`` (None: no speculation here yet), ``device``, and
+on_finish)``, ``reset_stats``/``stats``, ``spec`` (megarl's speculator when its draft sources propose
+through vLLM, else None: megarl/engine/vllm_spec.py), ``device``, and
 for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``tp_size``.
 
 - Token ids in and out: prompts go in as ``TokensPrompt`` ids (vLLM starts without a tokenizer),
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from megarl.engine.requests import EngineConfig, Request, Result
+from megarl.engine.vllm_spec import SourceProposer, VLLMSpecConfig, speculative_config
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
 
@@ -99,11 +101,13 @@ def logprobs_mode(temperature: float) -> str:
 
 
 class VLLMEngine:
-    """A rollout engine backed by ``vllm.LLM`` (one process, rollout TP 1, no speculation).
-    ``temperature`` picks vLLM's logprob convention (:func:`logprobs_mode`): every request must
-    then sample at it, or at 0."""
+    """A rollout engine backed by ``vllm.LLM`` (one process, rollout TP 1). ``temperature`` picks
+    vLLM's logprob convention (:func:`logprobs_mode`): every request must then sample at it, or at
+    0. Speculation (megarl/engine/vllm_spec.py): ``spec``, megarl's ``Speculator`` whose draft
+    sources propose through vLLM, or ``vllm_spec``, vLLM's own ngram/suffix methods."""
 
-    def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float):
+    def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float, spec=None,
+                 vllm_spec: VLLMSpecConfig | None = None):
         missing = vllm_missing()
         if missing is not None:
             raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported ({missing}); {INSTALL_HINT}")
@@ -111,10 +115,18 @@ class VLLMEngine:
             raise ValueError(f"the vLLM backend runs float32 or bfloat16 on cpu; got dtype={cfg.dtype}, "
                              f"device={cfg.device}")
         self.cfg, self.seed, self.args, self.temperature = cfg, seed, args, temperature
-        self.spec, self.device, self.tp_rank, self.tp_size = None, torch.device("cpu"), 0, 1
+        if spec is not None and vllm_spec is not None and vllm_spec.method != "none":
+            raise ValueError(f"the vLLM backend drafts with megarl's sources (spec.enabled) or with vLLM's "
+                             f"rollout.vllm_spec.method={vllm_spec.method}, not both")
+        self.spec, self.device, self.tp_rank, self.tp_size = spec, torch.device("cpu"), 0, 1
+        self.spec_config = speculative_config(vllm_spec, spec.cfg.k_max if spec is not None else 0)
+        self.requests: dict[str, Request] = {}  # vLLM request id -> request, while a generate call runs
         # The weight sync's target: HF-named tensors in vLLM's dtype, pushed into vLLM after each sync.
         self.model = CausalLM(args).to(cfg.torch_dtype).eval().requires_grad_(False)
         self.llm = self._start()
+        self.proposer = None
+        if spec is not None:  # vLLM built the proposer in its (in-process) model runner: hand it this engine
+            self.proposer = self.llm.collective_rpc(_bind_proposer, args=(self,))[0]
         self.reset_stats()
 
     def _start(self):
@@ -138,7 +150,7 @@ class VLLMEngine:
                 llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
                           enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                          disable_log_stats=True)
+                          disable_log_stats=True, speculative_config=self.spec_config)
             # vLLM's engine core would shut down when garbage collected, destroying the default process
             # group (the run's, or one it made itself that the run joined): only close() does that.
             llm.llm_engine.engine_core._finalizer.detach()
@@ -204,28 +216,51 @@ class VLLMEngine:
             sp = VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
                      stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
                      seed=sample_seed(self.seed, step, r.uid, r.sample_idx))
-            eng.add_request(str(i), TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sp)
+            self.requests[eng.add_request(str(i), TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sp)] = r
+        if self.spec is not None:
+            self.spec.begin(requests, step)
         results: list[Result | None] = [None] * len(requests)
-        while eng.has_unfinished_requests():
-            self.stats["forwards"] += 1
-            for out in eng.step():
-                if out.finished:
+        # Forwards each request took part in (one per engine step that gave it tokens: with drafts a
+        # step can give several).
+        n_forwards, n_seen = [0] * len(requests), [0] * len(requests)
+        try:
+            while eng.has_unfinished_requests():
+                self.stats["forwards"] += 1
+                for out in eng.step():
                     i = int(out.request_id)
-                    results[i] = res = _result(requests[i], out.outputs[0])
-                    self.stats["tokens"] += len(res.tokens)
-                    self.stats["target_forwards"] += res.n_forwards
-                    if on_finish is not None:
-                        on_finish(i, res)
+                    n = len(out.outputs[0].token_ids)
+                    n_forwards[i] += n > n_seen[i]
+                    n_seen[i] = n
+                    if out.finished:
+                        results[i] = res = _result(requests[i], out.outputs[0], n_forwards[i])
+                        self.stats["tokens"] += len(res.tokens)
+                        self.stats["target_forwards"] += res.n_forwards
+                        if on_finish is not None:
+                            on_finish(i, res)
+        finally:
+            self.requests = {}
+            if self.proposer is not None:
+                self.proposer.forget()
+        if self.spec is not None:
+            self.spec.end(results, step, purpose)
         return results
 
 
-def _result(req: Request, out) -> Result:
-    """A megarl ``Result`` from vLLM's ``CompletionOutput`` (one forward per token: no drafts)."""
+def _bind_proposer(worker, backend) -> SourceProposer:
+    """In vLLM's worker: hand its ``custom_class`` proposer the backend (and the model runner, whose
+    batch order the proposer reads)."""
+    runner = worker.model_runner
+    runner.drafter.bind(runner, backend)
+    return runner.drafter
+
+
+def _result(req: Request, out, n_forwards: int) -> Result:
+    """A megarl ``Result`` from vLLM's ``CompletionOutput`` (``n_forwards``: the steps that gave it tokens)."""
     tokens = list(out.token_ids)
     logprobs = [float(lp[t].logprob) for lp, t in zip(out.logprobs, tokens)]
     reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "aborted")
     return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=tokens,
-                  logprobs=logprobs, entropies=[], finish_reason=reason, n_forwards=len(tokens))
+                  logprobs=logprobs, entropies=[], finish_reason=reason, n_forwards=n_forwards)
 
 
 def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megarl.rl.rewards import RewardConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
+from megarl.engine.vllm_spec import VLLMSpecConfig
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
 from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.placement import LengthHistory, place
@@ -63,8 +64,12 @@ class RolloutConfig:
     """What generates the rollouts: ``megarl`` (megarl's own engine: the exactness reference,
     docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
     optional extra ``make vllm``). The vLLM backend runs in one process, on cpu, in float32 or
-    bfloat16, without speculation or tail batching for now (refused at start), and its samples at
-    T > 0 come from vLLM's seeded sampler, not megarl's counter-based noise."""
+    bfloat16, without tail batching for now (refused at start), and its samples at T > 0 come from
+    vLLM's seeded sampler, not megarl's counter-based noise. Speculation there: megarl's draft
+    sources (``spec.enabled``) or vLLM's own methods (``vllm_spec``), docs/rollout_backends.md."""
+    vllm_spec: VLLMSpecConfig = field(default_factory=VLLMSpecConfig)
+    """vLLM's own speculative methods (``ngram``, ``suffix``) on ``backend: vllm``
+    (megarl/engine/vllm_spec.py); ``method: none`` by default."""
 
     dump: bool = False
     """Write every step's samples (prompt uid, sample index, response token ids, reward) to
