@@ -10,7 +10,10 @@ from tests.stream_train.conftest import tiny_args
 @pytest.mark.parametrize("sets,world,match", [
     ([], 2, "does not support 2 processes"),
     (["rollout.dtype=float64"], 1, "does not support rollout.dtype=float64"),
-    (["spec.enabled=true"], 1, "does not support spec.enabled=true"),
+    (["spec.enabled=true", "spec.drafter.enabled=true"], 1, "does not support spec.drafter.enabled=true"),
+    (["spec.enabled=true", "spec.bubble_pregen=true"], 1, "does not support spec.bubble_pregen=true"),
+    (["spec.enabled=true", "rollout.vllm_spec.method=ngram"], 1,
+     "does not support spec.enabled=true together with rollout.vllm_spec.method=ngram"),
     (["tail.enabled=true"], 1, "does not support tail.enabled=true"),
     (["rollout.temperature=0.7", "rollout.top_k=20"], 1, "temperature=0.7 with top_k/top_p on"),
     (["rollout.temperature=0.7", "rollout.top_p=0.9"], 1, "temperature=0.7 with top_k/top_p on"),
@@ -42,3 +45,21 @@ def test_without_vllm_the_backend_fails_at_start(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     with pytest.raises(ValueError, match=r"vLLM cannot be imported here .*make vllm"):
         check_vllm_backend(load_config(None, ["rollout.backend=vllm"]), tiny_args("llama"), 1)
+
+
+def test_vllm_speculation_settings_are_checked_at_start():
+    """vLLM's own speculation is a vLLM-backend setting; megarl's draft sources are allowed on it."""
+    from megarl.engine.vllm_spec import suffix_missing
+    from megarl.setup_run import check_layout
+
+    cfg = load_config(None, ["rollout.vllm_spec.method=ngram"])
+    with pytest.raises(ValueError, match=r"rollout.vllm_spec.method=ngram is vLLM's speculation, but "
+                                         r"rollout.backend=megarl; valid: rollout.backend=vllm"):
+        check_layout(cfg, tiny_args("llama"), 1)
+    with pytest.raises(ValueError, match=r"rollout.vllm_spec.method: 'eagle' is not a valid choice"):
+        load_config(None, ["rollout.vllm_spec.method=eagle"])
+    if not suffix_missing():
+        pytest.skip("arctic_inference is installed here: suffix decoding is not refused")
+    with pytest.raises(ValueError, match=r"rollout.vllm_spec.method=suffix: .*arctic_inference"):
+        check_vllm_backend(load_config(None, ["rollout.backend=vllm", "rollout.vllm_spec.method=suffix"]),
+                           tiny_args("llama"), 1)
