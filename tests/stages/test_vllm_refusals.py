@@ -12,7 +12,10 @@ from tests.stream_train.conftest import tiny_args
     (["rollout.dtype=float64"], 1, "does not support rollout.dtype=float64"),
     (["spec.enabled=true", "spec.drafter.enabled=true"], 1, "does not support spec.drafter.enabled=true"),
     (["spec.enabled=true", "spec.bubble_pregen=true"], 1, "does not support spec.bubble_pregen=true"),
-    (["spec.enabled=true", "rollout.vllm_spec.method=ngram"], 1,
+    (["spec.enabled=true"], 1, "does not support speculation at temperature 1.0 .rollout or eval."),
+    (["rollout.temperature=0", "eval.temperature=0.5", "rollout.vllm_spec.method=ngram"], 1,
+     "does not support speculation at temperature 0.5"),
+    (["rollout.temperature=0", "spec.enabled=true", "rollout.vllm_spec.method=ngram"], 1,
      "does not support spec.enabled=true together with rollout.vllm_spec.method=ngram"),
     (["tail.enabled=true"], 1, "does not support tail.enabled=true"),
     (["rollout.temperature=0.7", "rollout.top_k=20"], 1, "temperature=0.7 with top_k/top_p on"),
@@ -61,5 +64,6 @@ def test_vllm_speculation_settings_are_checked_at_start():
     if not suffix_missing():
         pytest.skip("arctic_inference is installed here: suffix decoding is not refused")
     with pytest.raises(ValueError, match=r"rollout.vllm_spec.method=suffix: .*arctic_inference"):
-        check_vllm_backend(load_config(None, ["rollout.backend=vllm", "rollout.vllm_spec.method=suffix"]),
+        check_vllm_backend(load_config(None, ["rollout.backend=vllm", "rollout.temperature=0",
+                                       "rollout.vllm_spec.method=suffix"]),
                            tiny_args("llama"), 1)
