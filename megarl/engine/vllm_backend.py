@@ -209,7 +209,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         eng = self.llm.llm_engine
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests):  # every request checked before any is added to vLLM
             p = r.params
             if p.temperature > 0 and self.spec_config is not None and not self._sampled_drafts:
                 raise ValueError(f"request {i}: temperature {p.temperature} with drafts; vLLM-CPU's rejection sampler "
@@ -217,6 +217,8 @@ class VLLMEngine:
             if p.temperature not in (0.0, self.temperature):
                 raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
                                  f"for temperature {self.temperature} (or 0)")
+        for i, r in enumerate(requests):
+            p = r.params
             sp = VSP(temperature=p.temperature, top_k=p.top_k or -1, top_p=p.top_p, max_tokens=p.max_new_tokens,
                      stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
                      seed=sample_seed(self.seed, step, r.uid, r.sample_idx))
