@@ -132,13 +132,18 @@ def check_layout(cfg: RunConfig, args: ModelArgs, world_size: int | None = None)
     if cfg.rollout.prompts_per_step < layout.rollout_dp:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} leaves some of the "
                          f"{layout.rollout_dp} rollout groups without a prompt; valid: >= {layout.rollout_dp}")
+    _check_backend(cfg, args)
+    return layout
+
+
+def _check_backend(cfg: RunConfig, args: ModelArgs) -> None:
+    """The rollout backend's own settings: vLLM's what it runs, and its speculation only on it."""
     if cfg.rollout.backend == "vllm":
         check_vllm_backend(cfg, args)
     elif cfg.rollout.vllm_spec.method != "none":
         raise ValueError(f"rollout.vllm_spec.method={cfg.rollout.vllm_spec.method} is vLLM's speculation, but "
                          f"rollout.backend={cfg.rollout.backend}; valid: rollout.backend=vllm, or spec.enabled=true "
                          f"for megarl's engine")
-    return layout
 
 
 def check_vllm_backend(cfg: RunConfig, args: ModelArgs) -> None:

@@ -48,10 +48,11 @@ def smoke_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dims():
-    """Session-wide Megatron parallel state (it is process-global, TP = PP = 1): initialised once,
-    torn down at the end."""
+    """Megatron parallel state for a test module (it is process-global, TP = PP = 1), torn down at the
+    module's end: tests in other modules run whole training runs in this process, which set up
+    their own."""
     from megarl.parallel.dist import init_parallel, teardown
 
     with warnings.catch_warnings():  # Megatron warns about missing apex/TE at import
