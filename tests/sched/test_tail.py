@@ -71,13 +71,15 @@ def _stage(n=8):
     return RolloutStage(engine, inputs, cfg.rollout, cfg.reward), model
 
 
-def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():
-    stage, _ = _stage()
-    uids = list(range(8))
-    full = {g.problem.uid: g for g in stage.run(uids, step=2)}
+def check_short_round(stage, uids: list[int], step: int = 2):
+    """Tail batching's short round on ``stage`` (any engine): the kept groups are the first prompts to
+    complete, with the very samples and rewards a full rollout gives them, handed on as they finish,
+    and rollouts.jsonl's deferred entries hold the others as the stop left them. Returns the full
+    rollout's groups by uid and the kept groups."""
+    full = {g.problem.uid: g for g in stage.run(uids, step=step)}
     handed = []
-    kept = stage.run(uids, step=2, keep=3, on_group=handed.append)
-    assert 3 <= len(kept) < 8 and len(kept) + len(stage.aborted) == 8
+    kept = stage.run(uids, step=step, keep=3, on_group=handed.append)
+    assert 3 <= len(kept) < len(uids) and len(kept) + len(stage.aborted) == len(uids)
     assert sorted([g.problem.uid for g in kept] + list(stage.aborted)) == uids
     for g in kept:  # the very samples and rewards a full rollout gives these prompts
         assert [r.tokens for r in g.results] == [r.tokens for r in full[g.problem.uid].results]
@@ -88,13 +90,19 @@ def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():
     assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
     # rollouts.jsonl's deferred entries (the simulator's replay): each deferred prompt's samples as
     # the stop left them: finished ones whole, running ones a strict prefix of their full response
-    line = rollout_line(2, kept, stage.aborted)
+    line = rollout_line(step, kept, stage.aborted)
     assert [d["uid"] for d in line["deferred"]] == list(stage.aborted)
     for d in line["deferred"]:
         full_lens = [len(r.tokens) for r in full[d["uid"]].results]
         assert "aborted" in d["finish_reasons"]
         for n, why, n_full in zip(d["lengths"], d["finish_reasons"], full_lens):
             assert n < n_full if why == "aborted" else n == n_full
+    return full, kept
+
+
+def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples():
+    stage, _ = _stage()
+    check_short_round(stage, list(range(8)))
     stage.close()
 
 

@@ -11,11 +11,12 @@ from megarl.models.init_weights import init_hf_state
 from megarl.models.llama import CausalLM
 from megarl.rl.grpo import UpdateSpec
 from megarl.setup_run import prepare_inputs
-from megarl.stages.rollout import RolloutStage, rollout_line
+from megarl.stages.rollout import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.rl.test_temperature_logprobs import dims  # noqa: F401 (the fixture)
+from tests.sched.test_tail import check_short_round
 from tests.vllm_run_worker import CONFIG, OVERRIDES, length_reward
 from tests.vllm_marks import needs_vllm
 
@@ -44,24 +45,10 @@ def stage():
 def test_short_round_keeps_the_first_complete_prompts_with_their_full_samples(stage):
     stage, _, _ = stage
     uids = list(range(8))
-    full = {g.problem.uid: g for g in stage.run(uids, step=2)}
-    handed = []
-    kept = stage.run(uids, step=2, keep=3, on_group=handed.append)
-    assert 3 <= len(kept) < 8 and len(kept) + len(stage.aborted) == 8
-    assert sorted([g.problem.uid for g in kept] + list(stage.aborted)) == uids
-    for g in kept:  # the very samples, logprobs and rewards a full rollout gives these prompts
-        assert [r.tokens for r in g.results] == [r.tokens for r in full[g.problem.uid].results]
+    full, kept = check_short_round(stage, uids)
+    for g in kept:  # the logprobs too
         assert [r.logprobs for r in g.results] == [r.logprobs for r in full[g.problem.uid].results]
-        assert g.rewards == full[g.problem.uid].rewards
-    # ... and they are the prompts whose longest sample is shortest (first to complete, in engine steps)
-    longest = {u: max(len(r.tokens) for r in g.results) for u, g in full.items()}
-    assert max(longest[g.problem.uid] for g in kept) <= min(longest[u] for u in stage.aborted)
-    assert sorted(g.problem.uid for g in handed) == sorted(g.problem.uid for g in kept)  # stream training
-    # the deferred prompts' samples as the stop left them: finished ones whole, running ones a strict prefix
-    line = rollout_line(2, kept, stage.aborted)
-    assert [d["uid"] for d in line["deferred"]] == list(stage.aborted)
-    for u in stage.aborted:
-        assert any(r.finish_reason == "aborted" for r in stage.aborted[u])
+    for u in stage.aborted:  # the stopped samples are prefixes of the full ones, token for token
         for r, whole in zip(stage.aborted[u], full[u].results):
             if r.finish_reason == "aborted":
                 assert len(r.tokens) < len(whole.tokens) and r.tokens == whole.tokens[:len(r.tokens)]
