@@ -36,3 +36,20 @@ def test_bad_flags_exit_before_any_run(capsys):
     with pytest.raises(SystemExit):
         main(["--steps", "1", "--config", "configs/smollm2.yaml"])
     assert "--steps=1 (valid: >= 2; the first is warm-up)" in capsys.readouterr().err
+
+
+def test_variants_replace_the_backends_and_are_compared_with_the_first():
+    from benchmarks.bench_grpo_backends import parse_variants
+
+    v = parse_variants(["fp32=trainer.dtype=float32,rollout.dtype=float32", "bf16=trainer.dtype=bfloat16"])
+    assert v == {"fp32": ["trainer.dtype=float32", "rollout.dtype=float32"], "bf16": ["trainer.dtype=bfloat16"]}
+    assert parse_variants([]) == {"megarl": ["rollout.backend=megarl"], "vllm": ["rollout.backend=vllm"]}
+    for bad in ["bf16", "=a=b", "x=a", "x=a=b,c"]:
+        with pytest.raises(ValueError, match="--variant"):
+            parse_variants([bad])
+    with pytest.raises(ValueError, match="a new NAME"):
+        parse_variants(["x=a=b", "x=c=d"])
+    rows = [step_row("fp32", 0, _metrics(2, 10.0, 20.0, 1.0)), step_row("bf16", 0, _metrics(2, 5.0, 30.0, 1.0))]
+    s = summary(rows)
+    assert list(s) == ["fp32", "bf16", "bf16_over_fp32"]
+    assert s["bf16_over_fp32"]["train_time_s"] == pytest.approx(1.5)

@@ -1,0 +1,68 @@
+"""Where megarl's engine spends a decode at T=0 and at T=1 (docs/benchmarks.md, "Decode tokens/s
+per backend"): timers around the engine's forward, LM head, sampler and token statistics, over the
+same random prompts as ``megarl bench engine --model`` (equal lengths), T=0 and T=1 alternated,
+the first round a warm-up.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/probe_sampling_cost.py --model ~/.cache/megarl/models/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+
+import torch
+
+import megarl.engine.engine as engine_mod
+from megarl.bench.engine_model import _prompts, _requests
+from megarl.engine import Engine
+from megarl.engine.requests import EngineConfig
+from megarl.models.hf_io import load_hf_model
+
+PHASES = collections.defaultdict(float)
+
+
+def _timed(name: str, fn):
+    def wrapped(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            PHASES[name] += time.perf_counter() - t0
+    return wrapped
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/megarl/models/smollm2"))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    engine_mod.sample_rows = _timed("sample", engine_mod.sample_rows)
+    engine_mod.token_stats = _timed("token_stats", engine_mod.token_stats)
+    Engine._forward = _timed("forward", Engine._forward)
+    Engine.head_logits = _timed("head", Engine.head_logits)
+    model = load_hf_model(a.model, getattr(torch, a.dtype)).eval()
+    eng = Engine(model, EngineConfig(max_batch_size=a.batch, max_seq_len=a.prompt_len + a.new_tokens,
+                                     dtype=a.dtype), seed=0)
+    prompts = _prompts(model.args.vocab_size, a.batch, a.prompt_len)
+    for rnd in range(a.rounds + 1):
+        for temperature in (0.0, 1.0):
+            PHASES.clear()
+            t0 = time.perf_counter()
+            eng.generate(_requests(prompts, [a.new_tokens] * a.batch, temperature), step=rnd)
+            total = time.perf_counter() - t0
+            if rnd:
+                parts = " ".join(f"{k} {v:.2f}s" for k, v in sorted(PHASES.items()))
+                print(f"{a.dtype} batch {a.batch} T={temperature:g} round {rnd}: total {total:.2f}s {parts} "
+                      f"rest {total - sum(PHASES.values()):.2f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
