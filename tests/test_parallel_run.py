@@ -63,8 +63,10 @@ LAYOUTS = {
                               "parallel.trainer_pp=2,parallel.trainer_vpp=2", "from_hf_l4"),
     # Disaggregated placement: ranks 0-1 train (DP=2; TP=2 below), ranks 2-3 only generate (2 replicas with
     # speculation and bubble drafts; 1 TP=2 replica below); the groups go to the trainers, the weights back.
+    # The bubble drafts are made after each rollout (bubble_work without pregen), while the trainers train:
+    # whether one of 2 replicas idles long enough within the rollout to make them depends on timing.
     "disagg_np8_bubble": (NP8 + ",parallel.placement=disaggregated,parallel.rollout_ranks=2,rollout.placement=length,"
-                          + BUBBLE, "single_np8"),
+                          + BUBBLE + ",schedule.bubble_work=[]", "single_np8"),
     "disagg_tp2_rtp2_resumed": ("parallel.placement=disaggregated,parallel.rollout_ranks=2,parallel.trainer_tp=2,"
                                 "parallel.rollout_tp=2,resume_at=2", "single"),
 }
