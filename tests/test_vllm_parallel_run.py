@@ -1,5 +1,5 @@
-"""The long-tail schedulers on the vLLM backend in whole GRPO runs, on 2 processes (colocated, 2
-rollout replicas, each with its own in-process vLLM; tests/vllm_run_worker.py), fp32.
+"""The long-tail schedulers and disaggregated placement on the vLLM backend in whole GRPO runs, on
+2 and 3 processes (tests/vllm_run_worker.py), fp32.
 
 - ``dp2``: length placement, stream training, bubble work (each replica trains its finished
   groups while the other still generates). It samples token for token what the single-process
@@ -10,8 +10,13 @@ rollout replicas, each with its own in-process vLLM; tests/vllm_run_worker.py), 
   complete prompts and queue the rest, a long round runs the queue once it holds a step's worth,
   every trained sample comes from the weights being trained, and a kept prompt's samples are the
   ones the plain run sampled for it from the same weights.
+- ``disagg`` (1 trainer, 1 generating process) and ``disagg3`` (2 trainers, DP=2, 1 generating
+  process): the trainers start no vLLM but join its process groups (megarl/engine/vllm_groups.py);
+  the groups go to the trainers, the weights back into the generating process's vLLM every step.
+  Each samples token for token what the single-process run samples, on-policy, and ends at its
+  weights; the trainers' timelines have no generation, the generating process's no training.
 
-The three launches run at once (each process starts its own vLLM)."""
+The launches run at once (each generating process starts its own vLLM)."""
 import json
 import os
 import subprocess
@@ -34,6 +39,9 @@ RUNS = {  # name: (processes, overrides)
     "dp2": (2, "rollout.placement=length,stream_train=true,schedule.bubble_work=[stream_train]"),
     # responses up to 40 tokens, so that prompts finish apart (a short round then has a tail to cut)
     "dp2_tail": (2, "tail.enabled=true,tail.overprovision=2.0,stream_train=true,rollout.max_new_tokens=40"),
+    # the last process generates, the others train
+    "disagg": (2, "parallel.placement=disaggregated,parallel.rollout_ranks=1"),
+    "disagg3": (3, "parallel.placement=disaggregated,parallel.rollout_ranks=1"),
 }
 
 
@@ -58,19 +66,41 @@ def _lines(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
 
 
-def test_placement_and_stream_training_in_bubbles_equal_the_single_process_run(runs):
-    got, want = _lines(runs / "dp2", "metrics.jsonl"), _lines(runs / "single", "metrics.jsonl")
+def _same_run_as_single(runs, name: str) -> list[dict]:
+    """Run ``name`` sampled every token and reward the single-process run sampled, on-policy, and
+    ended at its weights (fp32 rounding); its metrics."""
+    got, want = _lines(runs / name, "metrics.jsonl"), _lines(runs / "single", "metrics.jsonl")
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
-    for a, b in zip(_lines(runs / "dp2", "rollouts.jsonl"), _lines(runs / "single", "rollouts.jsonl")):
+    for a, b in zip(_lines(runs / name, "rollouts.jsonl"), _lines(runs / "single", "rollouts.jsonl"), strict=True):
         assert a["samples"] == b["samples"]  # every sample: uid, index, tokens, reward, finish reason
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-7)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5) and w["grad_norm"] > 0.1
         assert g["logprob_diff_max"] < 1e-5 and w["logprob_diff_max"] < 1e-5  # fp32 rounding (design.md §1.3)
-    ref, weights = (load_file(runs / n / "hf" / "model.safetensors") for n in ("single", "dp2"))
+    ref, weights = (load_file(runs / n / "hf" / "model.safetensors") for n in ("single", name))
     moved = max((ref[k] - v).abs().max().item() for k, v in load_file(runs / "single" / "hf0.safetensors").items())
     diff = max((weights[k] - v).abs().max().item() for k, v in ref.items())
     assert diff < 2e-7 and moved > 1e-5, (diff, moved)  # the steps moved the weights: the bound means something
+    return got
+
+
+def test_placement_and_stream_training_in_bubbles_equal_the_single_process_run(runs):
+    _same_run_as_single(runs, "dp2")
+
+
+@pytest.mark.parametrize("name,trainers", [("disagg", 1), ("disagg3", 2)])
+def test_disaggregated_run_equals_the_single_process_run(runs, name, trainers):
+    """Trainer-only processes and one generating process: the samples, the update and the final
+    weights of the single-process run; each step's weights reached vLLM (the samples of steps 2-3
+    and ``logprob_diff_max`` say so; the sync's checksum, checked inside each sync, changes every
+    step); the trainers generated nothing and the generating process trained nothing."""
+    got = _same_run_as_single(runs, name)
+    assert len({m["weight_checksum"] for m in got}) == 3
+    for line in _lines(runs / name, "timeline.jsonl"):
+        phases = {r["rank"]: {e["phase"] for e in r["events"]} for r in line["ranks"]}
+        assert [r["replica"] for r in line["ranks"]] == [-1] * trainers + [0]
+        assert all("generate" not in phases[r] and "train" in phases[r] for r in range(trainers)), phases
+        assert "generate" in phases[trainers] and "train" not in phases[trainers], phases
 
 
 def test_each_replica_generated_its_length_placed_share(runs):

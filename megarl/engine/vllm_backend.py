@@ -22,9 +22,10 @@ for the weight sync ``model`` (HF-named tensors it writes into), ``tp_rank``/``t
   ``abort_request``, in this process), so the rollout stage's scheduling works as on megarl's
   engine: each response is handed on right after the engine step that finished it (stream
   training), and generation can stop between steps (tail batching's short rounds).
-- Several processes: each runs its own vLLM (rollout TP 1, rollout DP = the processes). vLLM builds
-  its process groups over the run's default group, i.e. over every process, together: so every
-  process must start one at the same point (colocated placement; megarl/setup_run.py).
+- Several processes: each generating process runs its own vLLM (rollout TP 1, rollout DP = the
+  generating processes). vLLM builds its process groups over the run's default group, i.e. over
+  every process, together: with disaggregated placement the trainer-only processes make the same
+  groups without a model, at the same point (megarl/engine/vllm_groups.py).
 - Weights: the sync writes the trainer's weights into a staging copy under HF names (``model``,
   checked by the sync as any engine's are), then :meth:`push_weights` reloads them into vLLM's
   model in process (its worker's ``reload_weights``), checks what it can read back, and drops
@@ -34,18 +35,13 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
-import os
-import random
-import shutil
 import struct
-import tempfile
 import time
 
-import numpy as np
 import torch
 
 from megarl.engine.requests import EngineConfig, Request, Result
+from megarl.engine.vllm_groups import _vllm_env, check_group_count, llm_arguments
 from megarl.engine.vllm_spec import SourceProposer, VLLMSpecConfig, speculative_config
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
@@ -67,50 +63,16 @@ def vllm_missing() -> str | None:
     return None
 
 
-def _vllm_env() -> None:
-    """vLLM's settings this backend needs, set before vLLM is imported. The engine core runs in
-    this process (the weights are loaded into its model in place); OpenMP threads are not pinned by
-    default: on a shared machine pinned threads wait on busy cores (set
-    VLLM_CPU_OMP_THREADS_BIND=auto on a dedicated one)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-
-def _forget_stale_vllm_groups() -> None:
-    """vLLM keeps its world and model-parallel groups in module globals, made once per process over
-    the default process group. If that group was destroyed since (an earlier vLLM's shutdown, or a
-    run or test that set up torch.distributed again), a new ``LLM`` would reuse the stale groups and
-    fail ("not initialized in the world group map"): forget them, so it makes its own anew. Torch
-    has already dropped them; nothing is destroyed here."""
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state as ps
-
-    world = ps._WORLD
-    if world is None:
-        return
-    if dist.is_initialized() and getattr(world, "device_group", None) in dist.distributed_c10d._world.pg_map:
-        return  # still valid: this process's vLLM groups are live
-    for name, value in list(vars(ps).items()):
-        if isinstance(value, ps.GroupCoordinator):
-            setattr(ps, name, None)
-    ps._NODE_COUNT = None
-
-
 def sample_seed(run_seed: int, step: int, uid: int, sample_idx: int) -> int:
     """vLLM's per-request seed: 63 bits of a hash of (run seed, step, prompt uid, sample index)."""
     key = struct.pack("<4q", run_seed, step, uid, sample_idx)
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def logprobs_mode(temperature: float) -> str:
-    """vLLM's logprob convention that equals docs/design.md §1.3's at ``temperature``."""
-    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
-
-
 class VLLMEngine:
     """A rollout engine backed by ``vllm.LLM`` (rollout TP 1; one per process). ``temperature``
-    picks vLLM's logprob convention (:func:`logprobs_mode`): every request must then sample at it,
-    or at 0. Speculation (megarl/engine/vllm_spec.py): ``spec``, megarl's ``Speculator`` whose draft
+    picks vLLM's logprob convention (``vllm_groups.logprobs_mode``): every request must then sample
+    at it, or at 0. Speculation (megarl/engine/vllm_spec.py): ``spec``, megarl's ``Speculator`` whose draft
     sources propose through vLLM, or ``vllm_spec``, vLLM's own ngram/suffix methods."""
 
     def __init__(self, args: ModelArgs, cfg: EngineConfig, seed: int, temperature: float, spec=None,
@@ -138,41 +100,19 @@ class VLLMEngine:
         self.reset_stats()
 
     def _start(self):
-        """The ``vllm.LLM``: built from the model's HF config with placeholder weights (the first
-        sync replaces them before any rollout), its KV cache sized for max_batch_size requests of
-        max_seq_len positions (rounded up to 256, a multiple of any block size vLLM-CPU uses), in
-        bytes: not vLLM-CPU's whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which would override it), a
-        GiB per process that several processes on a shared machine may not find free. The
-        caller's RNG states are kept (vLLM reseeds the process)."""
-        _vllm_env()
-        a, c = self.args, self.cfg
-        positions = -(-c.max_seq_len // 256) * 256 * c.max_batch_size
-        kv_bytes = (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * positions
-                    * torch.empty((), dtype=c.torch_dtype).element_size())
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        folder = tempfile.mkdtemp(prefix="megarl-vllm-")
-        states = random.getstate(), np.random.get_state()
-        try:
-            with open(os.path.join(folder, "config.json"), "w") as f:
-                json.dump(a.to_hf_config(c.dtype), f)
+        """The ``vllm.LLM`` (its arguments: :func:`llm_arguments`), once every process of the run
+        agrees on the process groups made so far (vLLM makes its own over all of them:
+        megarl/engine/vllm_groups.py)."""
+        with llm_arguments(self.args, self.cfg, self.seed, self.temperature, self.spec_config) as kwargs:
             from vllm import LLM
 
-            _forget_stale_vllm_groups()
-            with torch.random.fork_rng():
-                llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=c.dtype,
-                          max_model_len=c.max_seq_len, max_num_seqs=c.max_batch_size, seed=self.seed,
-                          enforce_eager=True, logprobs_mode=logprobs_mode(self.temperature),
-                          disable_log_stats=True, kv_cache_memory_bytes=kv_bytes,
-                          speculative_config=self.spec_config)
-            # vLLM's engine core would shut down when garbage collected, destroying the default process
-            # group (the run's, or one it made itself that the run joined): only close() does that.
-            llm.llm_engine.engine_core._finalizer.detach()
-            gc.unfreeze()  # vLLM froze the heap at start-up; this process's cyclic garbage is collected again
-            return llm
-        finally:
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            shutil.rmtree(folder, ignore_errors=True)
+            check_group_count()
+            llm = LLM(**kwargs)
+        # vLLM's engine core would shut down when garbage collected, destroying the default process
+        # group (the run's, or one it made itself that the run joined): only close() does that.
+        llm.llm_engine.engine_core._finalizer.detach()
+        gc.unfreeze()  # vLLM froze the heap at start-up; this process's cyclic garbage is collected again
+        return llm
 
     def close(self) -> None:
         """Shut vLLM's engine core down (it also destroys the process groups it joined, the default one

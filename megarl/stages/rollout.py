@@ -62,9 +62,9 @@ class RolloutConfig:
     backend: Literal["megarl", "vllm"] = "megarl"
     """What generates the rollouts: ``megarl`` (megarl's own engine: the exactness reference,
     docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
-    optional extra ``make vllm``). The vLLM backend runs on cpu, in float32 or bfloat16, colocated on
-    one or several processes (one vLLM each, rollout TP 1), with tail batching, placement, stream
-    training and bubble work, and its samples at T > 0 come from vLLM's seeded sampler, not megarl's
+    optional extra ``make vllm``). The vLLM backend runs on cpu, in float32 or bfloat16, on one or
+    several processes, colocated or disaggregated (one vLLM per generating process, rollout TP 1),
+    with tail batching, placement, stream training and bubble work, and its samples at T > 0 come from vLLM's seeded sampler, not megarl's
     counter-based noise. Speculation there, at T = 0: megarl's draft sources (``spec.enabled``) or
     vLLM's own methods (``vllm_spec``), docs/rollout_backends.md."""
     vllm_spec: VLLMSpecConfig = field(default_factory=VLLMSpecConfig)

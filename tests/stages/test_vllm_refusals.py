@@ -9,7 +9,6 @@ from tests.vllm_marks import needs_vllm
 
 
 @pytest.mark.parametrize("sets,match", [
-    (["parallel.placement=disaggregated", "parallel.rollout_ranks=1"], "does not support parallel.placement=disagg"),
     (["parallel.rollout_tp=2"], "does not support parallel.rollout_tp=2"),
     (["tail.enabled=true", "tail.long_rollout_tp=2"], "does not support tail.long_rollout_tp=2"),
     (["rollout.dtype=float64"], "does not support rollout.dtype=float64"),
@@ -33,10 +32,11 @@ def test_refused_with_one_line(sets, match):
 
 
 @needs_vllm
-@pytest.mark.parametrize("sets", [["tail.enabled=true"], ["stream_train=true", "rollout.placement=length"]])
-def test_the_long_tail_schedulers_are_accepted(sets):
-    """Tail batching, stream training and length placement run on the vLLM backend
-    (tests/stages/test_vllm_rollout.py, tests/test_vllm_parallel_run.py): not refused."""
+@pytest.mark.parametrize("sets", [["tail.enabled=true"], ["stream_train=true", "rollout.placement=length"],
+                                  ["parallel.placement=disaggregated", "parallel.rollout_ranks=1"]])
+def test_what_the_vllm_backend_runs_is_accepted(sets):
+    """Tail batching, stream training, length placement and disaggregated placement run on the vLLM
+    backend (tests/stages/test_vllm_rollout.py, tests/test_vllm_parallel_run.py): not refused."""
     check_vllm_backend(load_config(None, ["rollout.backend=vllm", *sets]), tiny_args("llama"))
 
 
