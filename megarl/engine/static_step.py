@@ -1,6 +1,6 @@
 """The engine's decode/verify step over fixed shapes: what a CUDA graph captures.
 
-``Engine.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
+``ModelRunner.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
 draft lengths, keys read), which a CUDA graph cannot replay. Here a step of ``n`` rows with at
 most ``k`` drafts runs in a bucket: ``B`` rows (the smallest of ``BATCH_BUCKETS`` >= n, capped at
 ``max_batch_size``) x ``T`` tokens (the smallest of ``TOKEN_BUCKETS`` >= k + 1), through buffers
@@ -67,21 +67,21 @@ class _Buffers:
 
 
 class StaticStep:
-    """Runs ``Engine.run``'s work for a batch through fixed-shape buffers (see the module)."""
+    """Runs ``ModelRunner.run``'s work for a batch through fixed-shape buffers (see the module)."""
 
-    def __init__(self, engine):
-        if not isinstance(engine.cache, PagedKVCache):
+    def __init__(self, runner):
+        if not isinstance(runner.cache, PagedKVCache):
             raise ValueError("EngineConfig.static_shapes needs kv_cache='paged' (block tables are what a "
                              "fixed-shape step indexes); set kv_cache: paged")
-        self.engine = engine
-        self.cache: PagedKVCache = engine.cache
+        self.runner = runner
+        self.cache: PagedKVCache = runner.cache
         self.max_blocks = self.cache.table.max_blocks_per_seq
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
     def run(self, batch, step: int):
-        """``Engine.run`` for ``batch``: per row the tokens the target sampled (accepted drafts,
+        """``ModelRunner.run`` for ``batch``: per row the tokens the target sampled (accepted drafts,
         then its own), their logprobs and entropies, and the accepted draft counts."""
-        if self.engine._hidden_hook:
+        if self.runner.hidden_hook:
             raise ValueError("EngineConfig.static_shapes does not hand hidden states to a learned drafter yet; "
                              "turn spec.drafter off or static_shapes off")
         buf = self.fill(batch)
@@ -95,14 +95,14 @@ class StaticStep:
         return res
 
     def buffers(self, n_rows: int, n_tokens: int) -> _Buffers:
-        e = self.engine
+        e = self.runner
         key = (bucket(n_rows, BATCH_BUCKETS, e.cfg.max_batch_size), bucket(n_tokens, TOKEN_BUCKETS, TOKEN_BUCKETS[-1]))
         if key not in self._buffers:
             self._buffers[key] = _Buffers(*key, self.max_blocks, self.cache.scratch_block, e.sample_dtype, e.device)
         return self._buffers[key]
 
     def fill(self, batch) -> _Buffers:
-        """Host work, then the buffers written for ``batch`` (an engine ``_Batch``)."""
+        """Host work, then the buffers written for ``batch`` (a scheduler ``Batch``)."""
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         buf = self.buffers(len(inputs), max(len(x) for x in inputs))
         n, b, t = len(inputs), buf.b, buf.t
@@ -138,10 +138,10 @@ class StaticStep:
 
     def device_step(self, buf: _Buffers, step: int):
         """The fixed-shape device work: forward, LM head, verification, statistics."""
-        e, (b, t) = self.engine, (buf.b, buf.t)
+        e, (b, t) = self.runner, (buf.b, buf.t)
         pos = buf.q_start[:, None] + torch.arange(t, device=e.device)  # [B, T]
         attn = _StaticAttention(self.cache, buf, pos)
-        with e._linears():
+        with e.linears():
             hidden = e.model.hidden_states(buf.ids.view(1, b * t), pos.view(1, b * t), attn)[0]
         logits = e.head_logits(hidden).to(e.sample_dtype)
         # Verification's row j of request b samples at response position position0[b] + j; rows of
