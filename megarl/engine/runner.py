@@ -24,6 +24,7 @@ from megarl.engine.kv_cache import CacheAttention, KVCache
 from megarl.engine.paged_kv_cache import PagedKVCache
 from megarl.engine.requests import EngineConfig
 from megarl.engine.sampler import token_stats
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.scheduler import Batch, Prefill, Verified
 from megarl.engine.speculation import Speculation
 from megarl.engine.static_step import StaticStep
@@ -117,18 +118,15 @@ class ModelRunner:
         h = hidden if len(keep) == off else hidden[torch.tensor(keep, device=dev)]
         logits = self.head_logits(h).to(self.sample_dtype)
         reqs = [s.req for s in batch.seqs]
-        per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
-        temp, top_p = per_req([[r.params.temperature, r.params.top_p] for r in reqs], self.sample_dtype).T
-        top_k, uid, sample_idx, position0 = per_req(
-            [[r.params.top_k, r.uid, r.sample_idx, len(s.tokens)] for r, s in zip(reqs, batch.seqs)], torch.int64).T
+        rows = SamplingRows.of(reqs, [len(s.tokens) for s in batch.seqs], self.seed, step, self.sample_dtype, dev)
         if len(keep) == len(reqs) and dev.type == "cpu" and not self.hidden_hook:  # no drafts: nothing to verify
-            tokens = sample_rows(logits, temp, top_k, top_p, uid, sample_idx, position0, self.seed, step)
-            n_accept, row_temp = [0] * len(reqs), temp
+            tokens = sample_rows(logits, rows)
+            n_accept, row_temp = [0] * len(reqs), rows.temperature
         else:
-            row_start = per_req([0] + list(itertools.accumulate(n_rows)), torch.int64)
-            tokens, n_acc = verify(logits, per_req(draft_next, torch.int64), row_start, temp, top_k, top_p,
-                                   uid, sample_idx, position0, self.seed, step)
-            n_accept, row_temp = n_acc.tolist(), temp.repeat_interleave(per_req(n_rows, torch.int64))
+            per_req = lambda vals: torch.tensor(vals, dtype=torch.int64, device=dev)  # noqa: E731
+            row_start = per_req([0] + list(itertools.accumulate(n_rows)))
+            tokens, n_acc = verify(logits, per_req(draft_next), row_start, rows)
+            n_accept, row_temp = n_acc.tolist(), rows.temperature.repeat_interleave(per_req(n_rows))
         logprobs, entropies = token_stats(logits, row_temp, tokens)
         if self.hidden_hook:  # the accepted rows' hidden states, for a learned drafter
             self.spec.on_verify(reqs, h, tokens, n_rows, n_accept, [len(s.tokens) for s in batch.seqs])
