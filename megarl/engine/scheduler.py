@@ -44,7 +44,7 @@ class Seq:
 
     def result(self) -> Result:
         return Result(self.req.uid, self.req.sample_idx, list(self.req.prompt_ids), self.tokens, self.logprobs,
-                      self.entropies, self.finish_reason, self.n_forwards)
+                      self.entropies, self.finish_reason, self.n_forwards, self.req.params.temperature)
 
 
 @dataclass
