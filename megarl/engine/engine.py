@@ -48,15 +48,26 @@ class Engine:
     or, in a rollout group with TP > 1, this rank's ``TPCausalLM``."""
 
     def __init__(self, model: CausalLM, cfg: EngineConfig, seed: int, spec: Speculation | None = None):
-        self.cfg, self.seed, self.spec = cfg, seed, spec
+        self.cfg, self.seed = cfg, seed
         self.runner = r = ModelRunner(model, cfg, seed, spec)
         self.scheduler = Scheduler(cfg, r.cache, spec)
+        self.spec = spec
         # The runner's parts, read by the stages, draft targets, benchmarks and tests.
         self.model, self.cache, self.packs, self.static = r.model, r.cache, r.packs, r.static
         self.dtype, self.device, self.sample_dtype, self.vocab_size = r.dtype, r.device, r.sample_dtype, r.vocab_size
         self.tp_size, self.tp_rank, self.pad_single_row = r.tp_size, r.tp_rank, r.pad_single_row
         self.head_logits = r.head_logits
         self.reset_stats()
+
+    @property
+    def spec(self) -> Speculation | None:
+        """The speculator, or None. Callers swap it between calls (evaluation detaches it): the
+        scheduler (drafts, feedback) and the runner (hidden states) always use this one."""
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: Speculation | None) -> None:
+        self._spec = self.scheduler.spec = self.runner.spec = spec
 
     def draft_target(self) -> DraftTarget:
         """What a learned drafter needs of this engine's target (megarl/engine/speculation.py)."""
