@@ -21,15 +21,19 @@ import time
 
 import torch
 
-from megarl.engine import Engine, EngineConfig, Request, SamplingParams, engine as engine_mod
-from megarl.engine.engine import _Batch, _Verified
+from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+from megarl.engine.runner import ModelRunner
+from megarl.engine.scheduler import Batch as _Batch, Verified as _Verified
 from megarl.engine.sampler import token_stats
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.verify import verify
 from megarl.models import llama
 from megarl.models.hf_io import load_hf_model
 from megarl.models.llama import inv_freq_and_scale
 
-# ---- the code before the change (megarl/models/llama.py, megarl/engine/engine.py), verbatim
+# ---- the code before the change (megarl/models/llama.py, megarl/engine/engine.py), verbatim but for
+# the names it reads on the engine, which now live on its runner (megarl/engine/runner.py), and the
+# sampling set-up verify takes (a SamplingRows, megarl/engine/sampling_rows.py)
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: dict | None = None):
     """cos/sin of shape [B, T, 1, D] for the rotate-half RoPE convention used by HF Llama/Qwen2;
@@ -61,13 +65,12 @@ def run(self, batch: _Batch, step: int) -> _Verified:
     """Device work for one batch: one forward over every row's pending + draft tokens through
     the cache, then the target's own sample at the last pending position and at every draft
     position, compared with the drafts (megarl.engine.verify)."""
-    self.stats["forwards"] += 1
     if self.static is not None:  # the same work over fixed shapes (EngineConfig.static_shapes)
         return _Verified(*self.static.run(batch, step))
     inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
     n_new = [len(x) for x in inputs]
     dev = self.device
-    hidden = self._forward([s.slot for s in batch.seqs], inputs)  # [N, H], packed
+    hidden = self.forward([s.slot for s in batch.seqs], inputs)  # [N, H], packed
     # Verified rows: the last pending token and each draft token, in order, request by request.
     keep, draft_next, n_rows, off = [], [], [], 0
     for n, d in zip(n_new, batch.drafts):
@@ -79,16 +82,12 @@ def run(self, batch: _Batch, step: int) -> _Verified:
     logits = self.head_logits(h).to(self.sample_dtype)
     reqs = [s.req for s in batch.seqs]
     row_start = torch.tensor([0] + list(itertools.accumulate(n_rows)), dtype=torch.int64, device=dev)
-    per_req = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)  # noqa: E731
-    temp = per_req([r.params.temperature for r in reqs], self.sample_dtype)
-    tokens, n_accept = verify(
-        logits, per_req(draft_next, torch.int64), row_start, temp,
-        per_req([r.params.top_k for r in reqs], torch.int64), per_req([r.params.top_p for r in reqs], self.sample_dtype),
-        per_req([r.uid for r in reqs], torch.int64), per_req([r.sample_idx for r in reqs], torch.int64),
-        per_req([len(s.tokens) for s in batch.seqs], torch.int64), self.seed, step)
-    logprobs, entropies = token_stats(logits, temp.repeat_interleave(torch.tensor(n_rows, device=dev)), tokens)
+    rows = SamplingRows.of(reqs, [len(s.tokens) for s in batch.seqs], self.seed, step, self.sample_dtype, dev)
+    tokens, n_accept = verify(logits, torch.tensor(draft_next, dtype=torch.int64, device=dev), row_start, rows)
+    logprobs, entropies = token_stats(logits, rows.temperature.repeat_interleave(torch.tensor(n_rows, device=dev)),
+                                      tokens)
     out = _Verified([], [], [], n_accept.tolist())
-    if self._hidden_hook:  # the accepted rows' hidden states, for a learned drafter
+    if self.hidden_hook:  # the accepted rows' hidden states, for a learned drafter
         self.spec.on_verify(reqs, h, tokens, n_rows, out.n_accept, [len(s.tokens) for s in batch.seqs])
     tokens, logprobs, entropies = tokens.tolist(), logprobs.tolist(), entropies.tolist()
     for b, lo in enumerate(row_start[:-1].tolist()):
@@ -102,12 +101,12 @@ def run(self, batch: _Batch, step: int) -> _Verified:
 @contextlib.contextmanager
 def _before():
     """Swap the earlier code in for the duration of the block."""
-    saved = (llama.rope_cos_sin, llama.Attention.forward, engine_mod.Engine.run)
-    llama.rope_cos_sin, llama.Attention.forward, engine_mod.Engine.run = rope_cos_sin, _attention_forward_before, run
+    saved = (llama.rope_cos_sin, llama.Attention.forward, ModelRunner.run)
+    llama.rope_cos_sin, llama.Attention.forward, ModelRunner.run = rope_cos_sin, _attention_forward_before, run
     try:
         yield
     finally:
-        llama.rope_cos_sin, llama.Attention.forward, engine_mod.Engine.run = saved
+        llama.rope_cos_sin, llama.Attention.forward, ModelRunner.run = saved
 
 
 def _gen(eng, prompts, n, temp):

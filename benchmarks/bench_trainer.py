@@ -42,14 +42,15 @@ import torch
 
 
 def make_rows(n: int, prompt_len: int, max_new: int, vocab: int, seed: int):
-    """Groups (of 8 rows) of fake rollout results: ``prompt_ids``, ``tokens``, ``logprobs``."""
+    """Groups (of 8 rows) of fake rollout results: ``prompt_ids``, ``tokens``, ``logprobs``, ``temperature``."""
     g = torch.Generator().manual_seed(seed)
     results = []
     for _ in range(n):
         u = float(torch.rand((), generator=g))
         k = max(4, int(max_new * u ** 3))
         ids = torch.randint(3, vocab, (prompt_len + k,), generator=g).tolist()
-        results.append(types.SimpleNamespace(prompt_ids=ids[:prompt_len], tokens=ids[prompt_len:], logprobs=[0.0] * k))
+        results.append(types.SimpleNamespace(prompt_ids=ids[:prompt_len], tokens=ids[prompt_len:],
+                                             logprobs=[0.0] * k, temperature=1.0))
     rewards = torch.randint(0, 2, (n,), generator=g).tolist()
     return [types.SimpleNamespace(results=results[i:i + 8], rewards=rewards[i:i + 8]) for i in range(0, n, 8)]
 
@@ -139,7 +140,7 @@ def main() -> None:
     hf.train()
     tr = Trainer(args, TrainerConfig(lr=1e-7, micro_batch_size=a.micro_batch), dims, hf_state=state)
     groups = make_rows(a.rows, a.prompt_len, a.max_new, args.vocab_size, seed=0)
-    batch = grpo_batch(groups, 8, 0, True)
+    batch = grpo_batch(groups, 8, 0, True, 1.0)
     num_tokens = float(batch["loss_mask"].sum())
     real = int(sum(len(r.prompt_ids) + len(r.tokens) for g in groups for r in g.results))
     padded = a.rows * batch["input_ids"].shape[1]

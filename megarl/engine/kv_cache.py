@@ -109,7 +109,7 @@ class SlotTable:
 class KVCache:
     """Preallocated k/v tensors plus their ``SlotTable``."""
 
-    needs_compaction = True  # rows in consecutive slots are read in place (Engine._compact)
+    needs_compaction = True  # rows in consecutive slots are read in place (megarl/engine/scheduler.py)
 
     def __init__(self, n_layers: int, max_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, windows: list[int | None] | None = None):

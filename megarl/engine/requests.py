@@ -99,3 +99,7 @@ class Result:
     (``generate``'s ``should_stop`` ended it early: bubble work only)."""
     n_forwards: int
     """Target forward passes this request took part in, prefill included."""
+    temperature: float
+    """Temperature the response was sampled at (0: greedy); ``logprobs`` are at it (T=1 for
+    greedy). The trainer checks it scores at the same one (megarl/rl/grpo.py ``grpo_batch``,
+    docs/design.md §1.3)."""

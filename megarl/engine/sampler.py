@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 
 from megarl.engine.detmath import det_exp, det_log
+from megarl.rl.temperature import scoring_temperature
 
 try:  # the fused C++ twin of sample_keyed's noise and argmax (csrc/keyed_gumbel.cpp)
     from megarl import _keyed_gumbel as _native
@@ -212,8 +213,7 @@ def _as_col(x, n: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _effective_temperature(temperature, n: int, dtype, device) -> torch.Tensor:
     """Per-row temperature [N, 1] with greedy rows (T=0) read as T=1 (for logprob/entropy)."""
-    t = _as_col(temperature, n, dtype, device)
-    return torch.where(t == 0, torch.ones_like(t), t)
+    return scoring_temperature(_as_col(temperature, n, dtype, device))
 
 
 def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The engine's decode/verify step over fixed shapes: what a CUDA graph captures.
 
-``Engine.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
+``ModelRunner.run`` builds each step's tensors from Python lists whose lengths change every step (rows,
 draft lengths, keys read), which a CUDA graph cannot replay. Here a step of ``n`` rows with at
 most ``k`` drafts runs in a bucket: ``B`` rows (the smallest of ``BATCH_BUCKETS`` >= n, capped at
 ``max_batch_size``) x ``T`` tokens (the smallest of ``TOKEN_BUCKETS`` >= k + 1), through buffers
@@ -11,8 +11,8 @@ made once per bucket and written in place:
 - ``block_tables`` [B, max_blocks]: the paged cache's table rows; entries past a row's blocks, and
   every entry of a padded row, point at the cache's scratch block, so that the k/v of padded tokens
   are written there and never into a block another request owns;
-- per row sampling keys and ``draft_next`` [B * T] (-1 past a row's drafts: verification stops
-  there, so padded tokens are never accepted).
+- per row sampling set-up and keys (a ``SamplingRows``) and ``draft_next`` [B * T] (-1 past a
+  row's drafts: verification stops there, so padded tokens are never accepted).
 
 The attention reads each row's blocks with a causal mask by position (CPU: the gather +
 ``grouped_attention`` math of the paged cache over all ``max_blocks``; CUDA: its Triton kernel), the LM head and
@@ -27,6 +27,7 @@ verification's input checks sync); that is left for a GPU session.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import torch
 
@@ -34,6 +35,7 @@ from megarl.engine.kv_cache import window_masks
 from megarl.engine.paged_attention import page_index
 from megarl.engine.paged_kv_cache import KERNEL_MAX_QUERIES, PagedCacheAttention, PagedKVCache
 from megarl.engine.sampler import token_stats
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.verify import verify
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -47,7 +49,8 @@ def bucket(n: int, buckets: tuple[int, ...], cap: int) -> int:
 
 
 class _Buffers:
-    """The device tensors of one (B, T) bucket, allocated once."""
+    """The device tensors of one (B, T) bucket, allocated once. ``rows``: the rows' sampling
+    set-up (padded rows: every filter off), its seed and step given per call."""
 
     def __init__(self, b: int, t: int, max_blocks: int, scratch: int, sample_dtype, dev):
         i64 = dict(dtype=torch.int64, device=dev)
@@ -56,32 +59,27 @@ class _Buffers:
         self.q_start = torch.zeros(b, **i64)
         self.n_q = torch.zeros(b, **i64)
         self.block_tables = torch.full((b, max_blocks), scratch, **i64)
-        self.temperature = torch.zeros(b, dtype=sample_dtype, device=dev)
-        self.top_k = torch.zeros(b, **i64)
-        self.top_p = torch.ones(b, dtype=sample_dtype, device=dev)
-        self.uid = torch.zeros(b, **i64)
-        self.sample_idx = torch.zeros(b, **i64)
-        self.position0 = torch.zeros(b, **i64)
+        self.rows = SamplingRows.of([], [], 0, 0, sample_dtype, dev, pad_to=b)
         self.draft_next = torch.full((b * t,), -1, **i64)
         self.row_start = torch.arange(0, b * t + 1, t, **i64)
 
 
 class StaticStep:
-    """Runs ``Engine.run``'s work for a batch through fixed-shape buffers (see the module)."""
+    """Runs ``ModelRunner.run``'s work for a batch through fixed-shape buffers (see the module)."""
 
-    def __init__(self, engine):
-        if not isinstance(engine.cache, PagedKVCache):
+    def __init__(self, runner):
+        if not isinstance(runner.cache, PagedKVCache):
             raise ValueError("EngineConfig.static_shapes needs kv_cache='paged' (block tables are what a "
                              "fixed-shape step indexes); set kv_cache: paged")
-        self.engine = engine
-        self.cache: PagedKVCache = engine.cache
+        self.runner = runner
+        self.cache: PagedKVCache = runner.cache
         self.max_blocks = self.cache.table.max_blocks_per_seq
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
     def run(self, batch, step: int):
-        """``Engine.run`` for ``batch``: per row the tokens the target sampled (accepted drafts,
+        """``ModelRunner.run`` for ``batch``: per row the tokens the target sampled (accepted drafts,
         then its own), their logprobs and entropies, and the accepted draft counts."""
-        if self.engine._hidden_hook:
+        if self.runner.hidden_hook:
             raise ValueError("EngineConfig.static_shapes does not hand hidden states to a learned drafter yet; "
                              "turn spec.drafter off or static_shapes off")
         buf = self.fill(batch)
@@ -95,14 +93,14 @@ class StaticStep:
         return res
 
     def buffers(self, n_rows: int, n_tokens: int) -> _Buffers:
-        e = self.engine
+        e = self.runner
         key = (bucket(n_rows, BATCH_BUCKETS, e.cfg.max_batch_size), bucket(n_tokens, TOKEN_BUCKETS, TOKEN_BUCKETS[-1]))
         if key not in self._buffers:
             self._buffers[key] = _Buffers(*key, self.max_blocks, self.cache.scratch_block, e.sample_dtype, e.device)
         return self._buffers[key]
 
     def fill(self, batch) -> _Buffers:
-        """Host work, then the buffers written for ``batch`` (an engine ``_Batch``)."""
+        """Host work, then the buffers written for ``batch`` (a scheduler ``Batch``)."""
         inputs = [p + d for p, d in zip(batch.pending, batch.drafts)]
         buf = self.buffers(len(inputs), max(len(x) for x in inputs))
         n, b, t = len(inputs), buf.b, buf.t
@@ -119,36 +117,31 @@ class StaticStep:
         for i, r in enumerate(rows):
             blocks = self.cache.table.blocks[r]
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        reqs = [s.req for s in batch.seqs]
+        positions = [len(s.tokens) for s in batch.seqs]
+        buf.rows.copy_(SamplingRows.of([s.req for s in batch.seqs], positions, 0, 0, buf.rows.temperature.dtype,
+                                       "cpu", pad_to=b))
 
-        def per_row(vals, dtype, pad):
-            return torch.tensor(list(vals) + [pad] * (b - n), dtype=dtype)
+        def per_row(vals):
+            return torch.tensor(list(vals) + [0] * (b - n), dtype=torch.int64)
 
         for dst, src in ((buf.ids, ids), (buf.draft_next, draft_next.reshape(-1)), (buf.block_tables, tables),
-                         (buf.q_start, per_row(starts, torch.int64, 0)),
-                         (buf.n_q, per_row([len(x) for x in inputs], torch.int64, 0)),
-                         (buf.temperature, per_row([r.params.temperature for r in reqs], buf.temperature.dtype, 1.0)),
-                         (buf.top_k, per_row([r.params.top_k for r in reqs], torch.int64, 0)),
-                         (buf.top_p, per_row([r.params.top_p for r in reqs], buf.top_p.dtype, 1.0)),
-                         (buf.uid, per_row([r.uid for r in reqs], torch.int64, 0)),
-                         (buf.sample_idx, per_row([r.sample_idx for r in reqs], torch.int64, 0)),
-                         (buf.position0, per_row([len(s.tokens) for s in batch.seqs], torch.int64, 0))):
+                         (buf.q_start, per_row(starts)), (buf.n_q, per_row([len(x) for x in inputs]))):
             dst.copy_(src, non_blocking=True)
         return buf
 
     def device_step(self, buf: _Buffers, step: int):
         """The fixed-shape device work: forward, LM head, verification, statistics."""
-        e, (b, t) = self.engine, (buf.b, buf.t)
+        e, (b, t) = self.runner, (buf.b, buf.t)
         pos = buf.q_start[:, None] + torch.arange(t, device=e.device)  # [B, T]
         attn = _StaticAttention(self.cache, buf, pos)
-        with e._linears():
+        with e.linears():
             hidden = e.model.hidden_states(buf.ids.view(1, b * t), pos.view(1, b * t), attn)[0]
         logits = e.head_logits(hidden).to(e.sample_dtype)
-        # Verification's row j of request b samples at response position position0[b] + j; rows of
+        # Verification's row j of request b samples at response position rows.position[b] + j; rows of
         # the drafts (j >= 1) are j tokens after the pending one.
-        tokens, n_accept = verify(logits, buf.draft_next, buf.row_start, buf.temperature, buf.top_k, buf.top_p,
-                                  buf.uid, buf.sample_idx, buf.position0, e.seed, step)
-        logprobs, entropies = token_stats(logits, buf.temperature.repeat_interleave(t), tokens)
+        rows = dataclasses.replace(buf.rows, seed=e.seed, step=step)
+        tokens, n_accept = verify(logits, buf.draft_next, buf.row_start, rows)
+        logprobs, entropies = token_stats(logits, rows.temperature.repeat_interleave(t), tokens)
         return tokens, n_accept, logprobs, entropies
 
 

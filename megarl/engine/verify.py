@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engine.sampler import sample_keyed
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.verify_contract import TRITON_DTYPES, check_inputs, row_request
 
 BACKENDS = ("auto", "torch", "triton")
@@ -34,27 +34,21 @@ def accept_counts(tokens: torch.Tensor, draft_next: torch.Tensor, row_start: tor
     return csum[row_start[1:]] - csum[row_start[:-1]]
 
 
-def verify_torch(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
-                 seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_torch(logits, draft_next, row_start, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: the tokens of ``sampler.gumbel_noise`` + ``sampler.sample`` over all rows at
     once, computed by ``sampler.sample_keyed`` (bit for bit the same tokens; the noise of greedy
     rows and of tokens that cannot win is never computed)."""
-    n = logits.shape[0]
-    req, j = row_request(row_start, n)
-    temp = temperature.to(logits.dtype)[req]
-    tokens = sample_keyed(logits, temp, top_k[req], top_p.to(torch.float64)[req], seed, step, uid[req],
-                          sample_idx[req], position0[req] + j)
+    req, j = row_request(row_start, logits.shape[0])
+    tokens = rows.take(req).shifted(j).sample(logits)
     return tokens, accept_counts(tokens, draft_next, row_start)
 
 
-def sample_rows(logits, temperature, top_k, top_p, uid, sample_idx, position0, seed: int, step: int) -> torch.Tensor:
+def sample_rows(logits, rows: SamplingRows) -> torch.Tensor:
     """``verify``'s tokens when every request has exactly one row and no draft (plain decoding):
-    the same ``sample_keyed`` call ``verify_torch`` makes for such a batch (request b's row has the
-    key position ``position0[b]``), without the input checks, row grouping and accept counts that
-    only drafts need (~40 small tensor ops per step). Arguments as ``verify``'s, without
-    ``draft_next`` and ``row_start``; inputs are the caller's to check."""
-    return sample_keyed(logits, temperature.to(logits.dtype), top_k, top_p.to(torch.float64), seed, step, uid,
-                        sample_idx, position0)
+    the same sampling ``verify_torch`` does for such a batch (request b's row has the key position
+    ``rows.position[b]``), without the input checks, row grouping and accept counts that only
+    drafts need (~40 small tensor ops per step). Inputs are the caller's to check."""
+    return rows.sample(logits)
 
 
 def _triton_usable(logits: torch.Tensor) -> bool:
@@ -67,31 +61,29 @@ def _triton_usable(logits: torch.Tensor) -> bool:
     return True
 
 
-def verify(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0, seed: int, step: int,
+def verify(logits, draft_next, row_start, rows: SamplingRows,
            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] float32/float64, rows grouped by request: request b owns rows row_start[b]:row_start[b+1]
     (row_start [B+1] int64, every request >= 1 row). draft_next [N] int64: the draft token that row r's target
     sample must equal for verification to continue past row r; -1 on each request's last row (no draft there:
-    bonus row). temperature/top_k/top_p/uid/sample_idx/position0: [B] per request (float / int64). Row j of
-    request b samples with noise key (seed, step, uid[b], sample_idx[b], position0[b] + j).
+    bonus row). ``rows``: the B requests' sampling set-up (megarl/engine/sampling_rows.py). Row j of request b
+    samples with noise key (seed, step, uid[b], sample_idx[b], position[b] + j).
 
     Returns tokens [N] int64 = the target's own sample at every row (exactly what sampler.sample gives for that
     row), and n_accept [B] int64 = number of leading rows j of request b with tokens[row] == draft_next[row]
     (stops at the first mismatch; the last row never matches). The engine emits
     tokens[row_start[b] : row_start[b] + n_accept[b] + 1].
 
-    Temperature is taken in the logits' dtype and top_p in float64, as ``sampler.sample`` does.
+    Temperature is taken in the logits' dtype, as ``sampler.sample`` does.
     ``backend``: "torch", "triton" (float32/float64 logits), or "auto" (triton for float32/float64
     logits on CUDA when triton imports, else torch). All tensors live on the logits' device.
     """
     if backend not in BACKENDS:
         raise ValueError(f"verify: backend={backend!r} is invalid; valid choices: {', '.join(BACKENDS)}")
-    check_inputs(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0, seed, step)
+    check_inputs(logits, draft_next, row_start, rows)
     if backend == "auto":
         backend = "triton" if _triton_usable(logits) else "torch"
     if backend == "torch":
-        return verify_torch(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
-                            seed, step)
+        return verify_torch(logits, draft_next, row_start, rows)
     from megarl.engine.verify_triton import verify_triton  # lazy: triton is optional on CPU
-    return verify_triton(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
-                         seed, step, check=False)
+    return verify_triton(logits, draft_next, row_start, rows, check=False)

@@ -1,9 +1,12 @@
 """The inputs of speculative verification, checked once for both backends (megarl/engine/verify.py,
 the torch reference and dispatcher, and megarl/engine/verify_triton.py, the kernel): a leaf
-module, so neither imports the other to share them."""
+module, so neither imports the other to share them. The sampling set-up of the rows is a
+``SamplingRows`` (megarl/engine/sampling_rows.py), which checks its own fields' dtypes."""
 from __future__ import annotations
 
 import torch
+
+from megarl.engine.sampling_rows import SamplingRows
 
 TRITON_DTYPES = (torch.float32, torch.float64)
 
@@ -21,10 +24,9 @@ def _check(name: str, t, shape: tuple, kind: str, device) -> None:
         raise ValueError(f"verify: {name} is on {t.device}, expected the logits' device {device}")
 
 
-def check_inputs(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
-                 seed, step) -> None:
+def check_inputs(logits, draft_next, row_start, rows: SamplingRows) -> None:
     """Validate shapes, dtypes, devices, the row grouping and the sampling parameters' ranges
-    (one small device->host read)."""
+    (one small device->host read). ``rows`` checked its own fields' dtypes and sizes when built."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("verify: logits must be a floating tensor [N, V]")
     n, v = logits.shape
@@ -36,15 +38,15 @@ def check_inputs(logits, draft_next, row_start, temperature, top_k, top_p, uid, 
     b = row_start.numel() - 1
     _check("row_start", row_start, (b + 1,), "int64", dev)
     _check("draft_next", draft_next, (n,), "int64", dev)
-    for name, t, kind in [("temperature", temperature, "float"), ("top_k", top_k, "int64"),
-                          ("top_p", top_p, "float"), ("uid", uid, "int64"),
-                          ("sample_idx", sample_idx, "int64"), ("position0", position0, "int64")]:
-        _check(name, t, (b,), kind, dev)
-    for name, x in [("seed", seed), ("step", step)]:
-        if not isinstance(x, int):
-            raise TypeError(f"verify: {name} must be an int, got {type(x).__name__}")
+    if not isinstance(rows, SamplingRows):
+        raise TypeError(f"verify: rows must be a SamplingRows (megarl/engine/sampling_rows.py), got "
+                        f"{type(rows).__name__}")
+    if len(rows) != b or rows.temperature.device != dev:
+        raise ValueError(f"verify: rows holds {len(rows)} requests on {rows.temperature.device}; row_start "
+                         f"groups {b} requests on the logits' device {dev}")
     # one device->host read for every value check
-    flags = torch.stack([~(temperature >= 0).all(), (top_k < 0).any(), ~((top_p > 0) & (top_p <= 1)).all()])
+    flags = torch.stack([~(rows.temperature >= 0).all(), (rows.top_k < 0).any(),
+                         ~((rows.top_p > 0) & (rows.top_p <= 1)).all()])
     *rs, bad_t, bad_k, bad_p = torch.cat([row_start, flags.to(torch.int64)]).tolist()
     if rs[0] != 0 or rs[-1] != n or any(hi <= lo for lo, hi in zip(rs, rs[1:])):
         raise ValueError(f"verify: row_start must rise strictly from 0 to N={n} (every request >= 1 row), "

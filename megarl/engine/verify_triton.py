@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from megarl.engine import detmath as dm
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.verify_contract import TRITON_DTYPES, check_inputs, row_request
 
 # Globals used in jit code must be constexpr; all are exactly representable in float32.
@@ -397,14 +398,12 @@ def detmath_triton(x: torch.Tensor, op: str, block: int = 1 << 16) -> torch.Tens
     return out
 
 
-def verify_triton(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0,
-                  seed: int, step: int, block_v: int = 512, num_warps: int = 8,
+def verify_triton(logits, draft_next, row_start, rows: SamplingRows, block_v: int = 512, num_warps: int = 8,
                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract and results as ``megarl.engine.verify.verify`` (float32/float64 logits).
     ``check=False`` skips the input validation (``verify`` has done it)."""
     if check:
-        check_inputs(logits, draft_next, row_start, temperature, top_k, top_p, uid, sample_idx, position0, seed,
-                     step)
+        check_inputs(logits, draft_next, row_start, rows)
     if logits.dtype not in TRITON_DTYPES:
         raise TypeError(f"verify_triton: logits dtype {logits.dtype} is unsupported; valid: float32, float64")
     if block_v < 16 or block_v & (block_v - 1):
@@ -417,9 +416,9 @@ def verify_triton(logits, draft_next, row_start, temperature, top_k, top_p, uid,
     n_accept = (row_start[1:] - row_start[:-1] - 1).contiguous()
     _verify_kernel[(n,)](
         logits, logits.stride(0), draft_next.contiguous(), req, row_start.contiguous(),
-        temperature.to(logits.dtype).contiguous(), top_k.contiguous(), top_p.to(torch.float64).contiguous(),
-        uid.contiguous(), sample_idx.contiguous(), position0.contiguous(), tokens, n_accept,
-        *_key_words(seed, step), vocab,
+        rows.temperature.to(logits.dtype).contiguous(), rows.top_k.contiguous(), rows.top_p.contiguous(),
+        rows.uid.contiguous(), rows.sample_idx.contiguous(), rows.position.contiguous(), tokens, n_accept,
+        *_key_words(rows.seed, rows.step), vocab,
         IS_F64=logits.dtype == torch.float64, ID_BITS=_id_bits(vocab), BLOCK_V=block_v,
         num_warps=num_warps, enable_fp_fusion=False)
     return tokens, n_accept

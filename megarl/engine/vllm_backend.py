@@ -243,7 +243,8 @@ def _result(req: Request, tokens: list[int], logprobs: list[float], vllm_reason:
     ``aborted``."""
     reason = {"stop": "stop", "length": "length"}.get(vllm_reason, "aborted")
     return Result(uid=req.uid, sample_idx=req.sample_idx, prompt_ids=list(req.prompt_ids), tokens=list(tokens),
-                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=n_forwards)
+                  logprobs=list(logprobs), entropies=[], finish_reason=reason, n_forwards=n_forwards,
+                  temperature=req.params.temperature)
 
 
 def _repack_and_check(model, staged: dict[str, torch.Tensor], args: ModelArgs, rtol: float) -> list[str]:

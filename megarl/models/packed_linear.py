@@ -10,7 +10,7 @@ docs/benchmarks.md "Prepacked linears"): fp32 2.1-3.0x at 1 row, 2.3-2.8x at 64 
 1.3-2.1x / 1.3-1.5x (two runs).
 And every row of it gets the same bits for any row count from 2 up (fp32 and bf16, every shape
 tested, tests/engine/test_packed_linear.py); a lone row may not (fp32 with 1536 input features
-splits the reduction), which the engine's twin row covers (``Engine._forward``).
+splits the reduction), which the engine's twin row covers (``ModelRunner.forward``).
 
 How: the engine opens ``PackedLinears.active()`` around its forwards; inside it, ``linear`` (which
 every linear of ``megarl.models.llama`` calls) finds or makes the reordered copy of its weight.

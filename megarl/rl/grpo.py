@@ -194,7 +194,9 @@ def trained_groups(groups: Sequence, drop_zero_variance: bool) -> list:
 @dataclass(frozen=True)
 class UpdateSpec:
     """What a step's update needs beyond the trainer: the objective, the group size, the
-    temperature the rollout sampled at (the trainer's logprobs are at it) and the padding id."""
+    temperature the trainer scores at (``rollout.temperature``: every logprob, old, new and the
+    reference's, is at it; :func:`grpo_batch` checks that each response was sampled at it) and
+    the padding id."""
 
     grpo: GRPOConfig
     group_size: int
@@ -207,13 +209,16 @@ class UpdateSpec:
         return cls(cfg.grpo, cfg.rollout.group_size, cfg.rollout.temperature, pad_id)
 
 
-def grpo_batch(groups: Sequence, group_size: int, pad_id: int, normalize_std: bool) -> dict[str, Tensor]:
+def grpo_batch(groups: Sequence, group_size: int, pad_id: int, normalize_std: bool,
+               temperature: float) -> dict[str, Tensor]:
     """``input_ids``, ``loss_mask`` (megarl/rl/batching.py), per-row ``advantages`` and
     ``rollout_logprobs`` [B, T-1] (fp64: the engine's logprob of each response token where
     ``loss_mask`` is set, 0 elsewhere) of ``groups`` (objects with ``results``, each with
-    ``prompt_ids``, ``tokens`` and ``logprobs``, and ``rewards``): the prompt/response boundary is
-    the engine's, in token space."""
+    ``prompt_ids``, ``tokens``, ``logprobs`` and ``temperature``, and ``rewards``): the
+    prompt/response boundary is the engine's, in token space. ``temperature``: the one the
+    trainer scores at; every result must have been sampled at it (:func:`check_sampled_at`)."""
     results = [r for g in groups for r in g.results]
+    check_sampled_at(results, temperature)
     rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
     batch = make_batch([r.prompt_ids for r in results], [r.tokens for r in results], pad_id)
     batch["advantages"] = group_advantages(rewards, group_size, normalize_std=normalize_std)
@@ -223,6 +228,20 @@ def grpo_batch(groups: Sequence, group_size: int, pad_id: int, normalize_std: bo
         eng[b, start:start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float64)
     batch["rollout_logprobs"] = eng
     return batch
+
+
+def check_sampled_at(results: Sequence, temperature: float) -> None:
+    """The trainer scores every token at ``temperature`` (docs/design.md §1.3); a response sampled
+    at another one would be trained as if drawn from a distribution it was not drawn from (its
+    ratio to the engine's logprobs, and ``logprob_diff_max``, would be off by the temperature, not
+    by rounding). One error naming the first such response."""
+    bad = [r for r in results if r.temperature != temperature]
+    if bad:
+        r = bad[0]
+        raise ValueError(f"{len(bad)} of {len(results)} responses were sampled at another temperature than the "
+                         f"trainer scores at: uid={r.uid} sample_idx={r.sample_idx} at temperature {r.temperature}, "
+                         f"the trainer at {temperature} (rollout.temperature); sample at the temperature the "
+                         f"update scores at")
 
 
 def logprob_diff_max(logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> float:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from megarl.engine.sampler import sample_keyed
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.models.config import ModelArgs
 from megarl.models.llama import DecoderLayer, RMSNorm, attention, rope_cos_sin
 from megarl.utils.fs import atomic_dir, safetensors_os_errors
@@ -103,14 +103,12 @@ class Drafter(nn.Module):
         return self(feats, F.embedding(tokens, embed_w), pos, _Attn(valid, band=self.window))
 
     @torch.no_grad()
-    def draft(self, feats, tokens, valid, k: int, embed_w, head, sampling: dict) -> torch.Tensor:
+    def draft(self, feats, tokens, valid, k: int, embed_w, head, rows: SamplingRows) -> torch.Tensor:
         """A chain of ``k`` draft tokens [B, k] after the windows ``feats`` [B, W, H] / ``tokens``
         [B, W] (left-padded: ``valid``), each sampled with the request's own noise. ``head``: the
-        target's LM head, hidden states [B, H] -> logits [B, V].
-
-        ``sampling``: per row ``temperature``, ``top_k``, ``top_p``, ``uid``, ``sample_idx``,
-        ``position`` ([B] tensors: the response position of the first draft token), ``seed``,
-        ``step``, ``dtype`` (the sampler's dtype)."""
+        target's LM head, hidden states [B, H] -> logits [B, V]. ``rows``: the requests' sampling
+        set-up, ``rows.position`` the response position of the first draft token; the logits are
+        sampled in its temperature's dtype (the target's sampling dtype)."""
         b, w = tokens.shape
         dev = tokens.device
         attn = _Attn(valid, keep=True)
@@ -119,12 +117,10 @@ class Drafter(nn.Module):
         out = []
         for j in range(k):
             pred = self(x_feat, x_emb, pos, attn)[:, -1:]  # [B, 1, H]
-            logits = head(pred[:, 0]).to(sampling["dtype"])
+            logits = head(pred[:, 0]).to(rows.temperature.dtype)
             # the sampler's token (hashing only the tokens that can still win: the dense noise
             # over the vocabulary was most of a chain step at SmolLM2's 49k tokens)
-            tok = sample_keyed(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
-                               sampling["seed"], sampling["step"], sampling["uid"], sampling["sample_idx"],
-                               sampling["position"] + j)
+            tok = rows.shifted(j).sample(logits)
             out.append(tok)
             x_feat, x_emb = pred, F.embedding(tok[:, None], embed_w)
             pos = torch.full((b, 1), w + j, device=dev, dtype=torch.int64)

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.speculation import DraftTarget
 from megarl.spec.config import SpecConfig
 from megarl.spec.drafter import Drafter, load_drafter
@@ -138,17 +139,7 @@ class DrafterSource:
         qs = seq_len[:, None] - w + torch.arange(w, device=dev)[None]  # the window's sequence indices
         slot = qs % w
         valid = (qs >= 1) & (self._q[rows[:, None], slot] == qs)
-        def per(vals, dtype):
-            return torch.tensor(vals, dtype=dtype, device=dev)
-
-        sampling = {
-            "temperature": per([r.params.temperature for r in reqs], e.sample_dtype),
-            "top_k": per([r.params.top_k for r in reqs], torch.int64),
-            "top_p": per([r.params.top_p for r in reqs], torch.float64),
-            "uid": per([r.uid for r in reqs], torch.int64),
-            "sample_idx": per([r.sample_idx for r in reqs], torch.int64),
-            "position": per([len(t) for t in tokens], torch.int64), "seed": e.seed, "step": self.step,
-            "dtype": e.sample_dtype}
+        sampling = SamplingRows.of(reqs, [len(t) for t in tokens], e.seed, self.step, e.sample_dtype, dev)
         out = self.model.draft(self._feat[rows[:, None], slot], self._tok[rows[:, None], slot], valid, k,
                                self.embed_weight(), self.target.logits, sampling)
         return out.tolist()

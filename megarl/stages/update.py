@@ -4,8 +4,9 @@ Its twin, :class:`megarl.stream_train.stream.StreamUpdate`, trains each group as
 finishes while the rollout runs (stream training); both build their rows, advantages and loss
 with megarl/rl/grpo.py, so they take the same update (docs/design.md: exactness).
 
-Every logprob here (old, new, reference) is at the rollout's temperature: that of the
-distribution the engine sampled from, ``log softmax(logits / T)`` without top-k/top-p.
+Every logprob here (old, new, reference) is at the rollout's temperature (``UpdateSpec.temperature``):
+that of the distribution the engine sampled from, ``log softmax(logits / T)`` without top-k/top-p;
+``grpo_batch`` checks that every response was sampled at it (``Result.temperature``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def grpo_update(trainer, groups, spec: UpdateSpec, ref=None, old_forward: bool =
     groups = trained_groups(groups, grpo.drop_zero_variance)
     if not groups:  # every group dropped: no update (every process sees the same groups)
         return {"update_skipped": 1.0}
-    batch = grpo_batch(groups, spec.group_size, spec.pad_id, grpo.normalize_std)
+    batch = grpo_batch(groups, spec.group_size, spec.pad_id, grpo.normalize_std, temperature)
     adv = batch["advantages"]
     num_tokens = float(batch["loss_mask"].sum())  # the whole step's count, on every DP rank
     batch = dp_rows(batch, trainer.dims.dp_rank, trainer.dims.dp)  # this DP rank's rows

@@ -72,7 +72,7 @@ class StreamUpdate:
             return
         t0 = time.perf_counter()
         s = self.spec
-        batch = grpo_batch([group], s.group_size, s.pad_id, self.grpo.normalize_std)
+        batch = grpo_batch([group], s.group_size, s.pad_id, self.grpo.normalize_std, s.temperature)
         if self.ref is not None:
             batch["ref_logprobs"] = ref_token_logprobs(self.ref, batch["input_ids"], s.temperature)
         # normaliser 1: finish() scales by the step's token count once it is known
@@ -98,7 +98,8 @@ class StreamUpdate:
         if want == 0:  # every group dropped: no update
             return {"update_skipped": 1.0, "stream_train_time_s": self.seconds}
         out = self.trainer.finish_step(scale=1.0 / max(tokens, 1.0))
-        adv = grpo_batch(trained, self.spec.group_size, self.spec.pad_id, self.grpo.normalize_std)["advantages"]
+        s = self.spec
+        adv = grpo_batch(trained, s.group_size, s.pad_id, self.grpo.normalize_std, s.temperature)["advantages"]
         out["adv_abs_mean"] = float(adv.abs().mean())
         out["stream_train_time_s"] = self.seconds
         return out

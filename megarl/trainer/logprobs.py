@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.rl.temperature import scoring_temperature
+
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
@@ -83,7 +85,7 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, t
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits "
                          f"{tuple(local_logits.shape)} without the vocab dim")
     return _VocabParallelLogprob.apply(local_logits, targets, tp_group, tp_rank * local_logits.shape[-1],
-                                       vocab_size, float(temperature) if temperature != 0.0 else 1.0)
+                                       vocab_size, scoring_temperature(temperature))
 
 
 def ref_token_logprobs(ref, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -97,6 +97,17 @@ def test_stop_token_and_length_limits():
         engine(max_seq_len=8).generate([Request(0, 0, list(range(2, 10)), SamplingParams())], step=0)
 
 
+def test_results_carry_their_sampling_temperature():
+    """Each result names the temperature it was sampled at (the trainer checks it scores there):
+    greedy, T = 1 and other temperatures, in one batch; aborted requests too."""
+    reqs = mixed_requests(10)
+    out = engine().generate(reqs, step=3)
+    assert [r.temperature for r in out] == [q.params.temperature for q in reqs]
+    assert {r.temperature for r in out} == {0.0, 1.0, 0.8, 1.2, 0.9}
+    aborted = engine().generate(reqs, step=3, should_stop=lambda: True)
+    assert [(r.finish_reason, r.temperature) for r in aborted] == [("aborted", q.params.temperature) for q in reqs]
+
+
 def test_eos_stop():
     # vocab 40 at a high temperature: EOS (id 1) shows up within 50 tokens for most requests
     eng = engine()

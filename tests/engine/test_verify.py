@@ -8,6 +8,7 @@ script with TRITON_INTERPRET=1), two at a time on the two cores.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from megarl.engine.sampler import gumbel_noise, sample
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.engine.verify import verify
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,11 @@ def _per_req(vals, dtype, device):
     return torch.tensor(vals, dtype=dtype, device=device)
 
 
+def _to(rows: SamplingRows, device) -> SamplingRows:
+    return dataclasses.replace(rows, **{f.name: getattr(rows, f.name).to(device) for f in dataclasses.fields(rows)
+                                        if isinstance(getattr(rows, f.name), torch.Tensor)})
+
+
 def parity_case(vocab: int, dtype, combos, seed: int, device="cpu", lens=LENS):
     """Inputs for one verify call with deliberate ties, -0.0, -inf, huge keys, and drafts that
     match the target for a known number of rows. Returns (args, expected n_accept)."""
@@ -47,13 +54,13 @@ def parity_case(vocab: int, dtype, combos, seed: int, device="cpu", lens=LENS):
     logits = logits.to(dtype)
     row_start = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int64)
     t, k, p = zip(*combos)
-    args = dict(logits=logits, draft_next=torch.full((n,), -1, dtype=torch.int64), row_start=row_start,
-                temperature=_per_req(t, dtype, "cpu"), top_k=_per_req(k, torch.int64, "cpu"),
-                top_p=_per_req(p, torch.float64, "cpu"),
-                uid=_per_req([7, -3, (1 << 62) + 5, 0, -(1 << 40), 123456789][:b], torch.int64, "cpu"),
-                sample_idx=_per_req(list(range(b)), torch.int64, "cpu"),
-                position0=_per_req([0, 5, (1 << 32) + 1, 17, 3, 250][:b], torch.int64, "cpu"),
-                seed=(1 << 63) + 12345 + seed, step=(1 << 32) + 2 + seed)
+    rows = SamplingRows(temperature=_per_req(t, dtype, "cpu"), top_k=_per_req(k, torch.int64, "cpu"),
+                        top_p=_per_req(p, torch.float64, "cpu"),
+                        uid=_per_req([7, -3, (1 << 62) + 5, 0, -(1 << 40), 123456789][:b], torch.int64, "cpu"),
+                        sample_idx=_per_req(list(range(b)), torch.int64, "cpu"),
+                        position=_per_req([0, 5, (1 << 32) + 1, 17, 3, 250][:b], torch.int64, "cpu"),
+                        seed=(1 << 63) + 12345 + seed, step=(1 << 32) + 2 + seed)
+    args = dict(logits=logits, draft_next=torch.full((n,), -1, dtype=torch.int64), row_start=row_start, rows=rows)
     tokens, _ = verify(**args, backend="torch")
     # request r's drafts match its first (r mod len) rows, then one wrong draft; odd requests
     # carry the target token on their last row, which must never count
@@ -66,7 +73,7 @@ def parity_case(vocab: int, dtype, combos, seed: int, device="cpu", lens=LENS):
         if r % 2:
             draft[lo + ln - 1] = tokens[lo + ln - 1]
     args["draft_next"] = draft
-    args = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in args.items()}
+    args = {key: v.to(device) if isinstance(v, torch.Tensor) else _to(v, device) for key, v in args.items()}
     return args, expect
 
 
@@ -77,9 +84,9 @@ def _greedy_case(lens, vocab=5):
     logits = torch.randn(n, vocab, dtype=torch.float64)
     b = len(lens)
     z = torch.zeros(b, dtype=torch.int64)
-    return dict(logits=logits, row_start=torch.tensor([0] + list(torch.tensor(lens).cumsum(0))),
-                temperature=torch.zeros(b, dtype=torch.float64), top_k=z, top_p=torch.ones(b, dtype=torch.float64),
-                uid=z, sample_idx=z, position0=z, seed=0, step=0)
+    rows = SamplingRows(temperature=torch.zeros(b, dtype=torch.float64), top_k=z,
+                        top_p=torch.ones(b, dtype=torch.float64), uid=z, sample_idx=z, position=z, seed=0, step=0)
+    return dict(logits=logits, row_start=torch.tensor([0] + list(torch.tensor(lens).cumsum(0))), rows=rows)
 
 
 def test_reference_accept_counts_hand_cases():
@@ -101,13 +108,13 @@ def test_reference_equals_sampler_row_by_row():
     args, expect = parity_case(40, torch.float64, COMBOS[6:12], seed=3)
     tokens, n_accept = verify(**args, backend="torch")
     assert n_accept.tolist() == expect
-    rs = args["row_start"].tolist()
+    rs, p = args["row_start"].tolist(), args["rows"]
     for b in range(len(rs) - 1):
         for j, row in enumerate(range(rs[b], rs[b + 1])):
-            key = [args[name][b:b + 1] for name in ("uid", "sample_idx")]
-            noise = gumbel_noise(args["seed"], args["step"], *key, args["position0"][b:b + 1] + j, 40, torch.float64)
-            one = sample(args["logits"][row:row + 1], noise, args["temperature"][b].item(),
-                         args["top_k"][b].item(), args["top_p"][b].item())
+            noise = gumbel_noise(p.seed, p.step, p.uid[b:b + 1], p.sample_idx[b:b + 1], p.position[b:b + 1] + j, 40,
+                                 torch.float64)
+            one = sample(args["logits"][row:row + 1], noise, p.temperature[b].item(), p.top_k[b].item(),
+                         p.top_p[b].item())
             assert tokens[row].item() == one.tokens.item(), (b, j)
 
 
@@ -115,21 +122,36 @@ def test_verify_validates_inputs():
     case = _greedy_case([2, 1])
     draft = torch.tensor([0, -1, -1])
     verify(draft_next=draft, **case)  # fine
+    rows = case["rows"]
     bad = [(dict(draft_next=torch.tensor([0, -1])), "draft_next"),
            (dict(draft_next=draft.float()), "draft_next"),
-           (dict(row_start=torch.tensor([0, 2, 2, 3])), "top_k|temperature"),
+           (dict(row_start=torch.tensor([0, 2, 2, 3])), "rows holds 2 requests"),
            (dict(row_start=torch.tensor([0, 3, 3])), "row_start"),
            (dict(row_start=torch.tensor([1, 2, 3])), "row_start"),
-           (dict(top_k=torch.zeros(2)), "top_k"),
-           (dict(top_p=torch.tensor([0.0, 1.0], dtype=torch.float64)), "top_p"),
-           (dict(temperature=torch.tensor([-1.0, 0.0], dtype=torch.float64)), "temperature"),
-           (dict(uid=torch.zeros(3, dtype=torch.int64)), "uid"),
-           (dict(seed=1.5), "seed")]
+           (dict(rows=dataclasses.replace(rows, top_p=torch.tensor([0.0, 1.0], dtype=torch.float64))), "top_p"),
+           (dict(rows=dataclasses.replace(rows, temperature=torch.tensor([-1.0, 0.0], dtype=torch.float64))),
+            "temperature"),
+           (dict(rows=dataclasses.replace(rows, top_k=torch.tensor([-1, 0]))), "top_k"),
+           (dict(rows=(rows,)), "rows must be a SamplingRows")]
     for change, name in bad:
         with pytest.raises((ValueError, TypeError), match=name):
             verify(**{**case, "draft_next": draft, **change})
     with pytest.raises(ValueError, match="backend"):
         verify(draft_next=draft, **case, backend="cuda")
+
+
+def test_sampling_rows_validate_their_fields():
+    """One dtype per field, one size and device for all, int seed and step: each error names the field."""
+    rows = _greedy_case([2, 1])["rows"]
+    bad = [(dict(top_k=torch.zeros(2)), "top_k has dtype torch.float32, expected torch.int64"),
+           (dict(top_p=torch.ones(2, dtype=torch.float32)), "top_p has dtype torch.float32, expected torch.float64"),
+           (dict(temperature=torch.zeros(2, dtype=torch.int64)), "temperature has dtype torch.int64"),
+           (dict(uid=torch.zeros(3, dtype=torch.int64)), r"uid is \[3\]"),
+           (dict(position=torch.zeros(2, 1, dtype=torch.int64)), "position must be a 1-d"),
+           (dict(seed=1.5), "seed must be an int")]
+    for change, msg in bad:
+        with pytest.raises((ValueError, TypeError), match=msg):
+            dataclasses.replace(rows, **change)
 
 
 # ------------------------------------------------------------------ Triton parity
@@ -261,23 +283,22 @@ if __name__ == "__main__":
 
 def test_sample_rows_equals_verify_on_one_row_per_request():
     """Plain decoding's shortcut (``sample_rows``, no drafts) gives verify's tokens for the same
-    batch: every (temperature, top_k, top_p) of the matrix, top_p passed in float32 as the engine
-    passes it, position keys that differ per request, float32 and float64 logits."""
+    batch: every (temperature, top_k, top_p) of the matrix, position keys that differ per request,
+    float32 and float64 logits."""
     from megarl.engine.verify import sample_rows
 
     g = torch.Generator().manual_seed(7)
     b = len(COMBOS)
     for dtype in (torch.float32, torch.float64):
         logits = (torch.randn(b, 97, generator=g) * 3).to(dtype)
-        temp = _per_req([c[0] for c in COMBOS], dtype, "cpu")
-        top_k = _per_req([c[1] for c in COMBOS], torch.int64, "cpu")
-        top_p = _per_req([c[2] for c in COMBOS], torch.float32, "cpu")
-        uid = _per_req([11 * i + 3 for i in range(b)], torch.int64, "cpu")
-        sidx = _per_req([i % 4 for i in range(b)], torch.int64, "cpu")
-        pos = _per_req([5 * i for i in range(b)], torch.int64, "cpu")
-        want, n_accept = verify(logits, torch.full((b,), -1), torch.arange(b + 1), temp, top_k, top_p, uid, sidx,
-                                pos, 1234, 9)
-        got = sample_rows(logits, temp, top_k, top_p, uid, sidx, pos, 1234, 9)
+        rows = SamplingRows(temperature=_per_req([c[0] for c in COMBOS], dtype, "cpu"),
+                            top_k=_per_req([c[1] for c in COMBOS], torch.int64, "cpu"),
+                            top_p=_per_req([c[2] for c in COMBOS], torch.float64, "cpu"),
+                            uid=_per_req([11 * i + 3 for i in range(b)], torch.int64, "cpu"),
+                            sample_idx=_per_req([i % 4 for i in range(b)], torch.int64, "cpu"),
+                            position=_per_req([5 * i for i in range(b)], torch.int64, "cpu"), seed=1234, step=9)
+        want, n_accept = verify(logits, torch.full((b,), -1), torch.arange(b + 1), rows)
+        got = sample_rows(logits, rows)
         assert torch.equal(got, want) and not n_accept.any()
         # the keys matter: another step samples other tokens at T > 0
-        assert not torch.equal(sample_rows(logits, temp, top_k, top_p, uid, sidx, pos, 1234, 10), want)
+        assert not torch.equal(sample_rows(logits, dataclasses.replace(rows, step=10)), want)

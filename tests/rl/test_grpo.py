@@ -1,10 +1,12 @@
 """GRPO functions against numbers worked out by hand (the arithmetic is in the comments)."""
 import math
+import types
 
 import pytest
 import torch
 
-from megarl.rl.grpo import group_advantages, grpo_loss, kl_k3, sft_loss
+from megarl.engine import Result
+from megarl.rl.grpo import group_advantages, grpo_batch, grpo_loss, kl_k3, sft_loss
 
 LN2 = math.log(2.0)
 
@@ -131,3 +133,23 @@ def test_sft_loss():
     assert loss.item() == pytest.approx(LN2, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 3, -1 / 3], [-1 / 3, 0.0]], dtype=torch.float64))
+
+
+def _group(temperatures):
+    results = [Result(uid=5, sample_idx=i, prompt_ids=[1, 2], tokens=[3, 4], logprobs=[-0.5, -0.25],
+                      entropies=[0.1, 0.2], finish_reason="stop", n_forwards=2, temperature=t)
+               for i, t in enumerate(temperatures)]
+    return types.SimpleNamespace(results=results, rewards=[1.0, 0.0][:len(results)])
+
+
+def test_grpo_batch_checks_the_temperature_responses_were_sampled_at():
+    """The trainer scores at its temperature; a response sampled at another one is refused with one
+    error naming it (and the batch is built when they agree, greedy included)."""
+    batch = grpo_batch([_group([0.7, 0.7])], 2, 0, True, 0.7)
+    assert batch["rollout_logprobs"][0, 1:3].tolist() == [-0.5, -0.25]
+    grpo_batch([_group([0.0, 0.0])], 2, 0, True, 0.0)  # greedy sampled, greedy scored (both read as T = 1)
+    with pytest.raises(ValueError, match=r"1 of 2 responses .* uid=5 sample_idx=1 at temperature 1.0, "
+                                         r"the trainer at 0.7 \(rollout.temperature\)"):
+        grpo_batch([_group([0.7, 1.0])], 2, 0, True, 0.7)
+    with pytest.raises(ValueError, match="sample_idx=0 at temperature 0.0, the trainer at 1.0"):
+        grpo_batch([_group([0.0, 0.0])], 2, 0, True, 1.0)

@@ -3,6 +3,7 @@
 The trainer's logprobs (old, new, the reference's for KL) are ``log softmax(logits / T)`` with
 T = 0 read as 1 and top-k/top-p not applied: what the engine's ``token_stats`` reports for each
 sampled token. So the on-policy check (``logprob_diff_max``) is rounding-level at every T."""
+import dataclasses
 import types
 import warnings
 
@@ -164,6 +165,22 @@ def test_on_policy_check_catches_a_trainer_that_ignores_temperature(dims, monkey
                         lambda logits, targets, group, vocab, temperature=1.0: real(logits, targets, group, vocab))
     d = grpo_update(trainer, groups, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref=ref)["logprob_diff_max"]
     assert d > 0.05
+
+
+def test_update_refuses_responses_sampled_at_another_temperature(dims):
+    """The trainer's temperature (UpdateSpec's) is checked against the one each result was sampled
+    at: an update (or stream training) that would score at T=1 what was sampled at T=0.7 raises
+    before any forward, naming the first such response; at the rollout's own temperature the
+    other tests of this module pass the check."""
+    cfg, inputs, trainer, ref, groups = _setup(dims, 0.7)
+    assert {r.temperature for g in groups for r in g.results} == {0.7}
+    spec = dataclasses.replace(UpdateSpec.of(cfg, inputs.tokenizer.pad_id), temperature=1.0)
+    with pytest.raises(ValueError, match=r"at temperature 0.7, the trainer at 1.0 \(rollout.temperature\)"):
+        grpo_update(trainer, groups, spec, ref=ref)
+    stream = StreamUpdate(trainer, spec, ref=ref)
+    stream.begin()
+    with pytest.raises(ValueError, match="at temperature 0.7, the trainer at 1.0"):
+        stream.add_group(groups[0])
 
 
 def test_stream_update_scores_at_temperature(dims, monkeypatch):

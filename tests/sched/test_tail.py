@@ -111,7 +111,7 @@ def test_logprob_diff_catches_samples_from_other_weights():
     they came from older weights (what resuming a deferred prompt's partial samples would do)."""
     stage, model = _stage(4)
     groups = stage.run([0, 1, 2, 3], step=0)
-    batch = grpo_batch(groups, len(groups[0].results), stage.inputs.tokenizer.pad_id, True)
+    batch = grpo_batch(groups, len(groups[0].results), stage.inputs.tokenizer.pad_id, True, stage.cfg.temperature)
 
     def diff_under(policy):
         lp = ref_token_logprobs(policy.double(), batch["input_ids"])

@@ -1,6 +1,7 @@
 """The learned drafter: exact with any weights (fp64, token-identical to speculation
 off), training lowers its loss and raises acceptance, preemptible training, the strategy bandit,
 export round trip, and identical weights on every replica after averaging (2 processes, gloo)."""
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
+from megarl.engine.sampling_rows import SamplingRows
 from megarl.models.config import ModelArgs
 from megarl.models.llama import CausalLM
 from megarl.sched.bubble import BubbleWorker, ScheduleConfig
@@ -80,10 +82,11 @@ def test_draft_chain_samples_with_the_requests_own_noise():
     tokens = torch.randint(0, 4096, (b, w))
     valid = torch.ones(b, w, dtype=torch.bool)
     valid[0, :2] = False
-    sampling = {"temperature": torch.tensor([1.0, 0.0, 0.7, 1.0, 1.3], dtype=torch.float64),
-                "top_k": torch.tensor([0, 0, 50, 0, 0]), "top_p": torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0], dtype=torch.float64),
-                "uid": torch.tensor([3, 3, 8, 9, 11]), "sample_idx": torch.tensor([0, 1, 0, 2, 5]),
-                "position": torch.tensor([0, 4, 7, 1, 30]), "seed": 1234, "step": 2, "dtype": torch.float64}
+    sampling = SamplingRows(temperature=torch.tensor([1.0, 0.0, 0.7, 1.0, 1.3], dtype=torch.float64),
+                            top_k=torch.tensor([0, 0, 50, 0, 0]),
+                            top_p=torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0], dtype=torch.float64),
+                            uid=torch.tensor([3, 3, 8, 9, 11]), sample_idx=torch.tensor([0, 1, 0, 2, 5]),
+                            position=torch.tensor([0, 4, 7, 1, 30]), seed=1234, step=2)
     head = lambda h: torch.nn.functional.linear(h, head_w)  # noqa: E731
     got = d.draft(feats, tokens, valid, k, embed_w, head, sampling)
 
@@ -93,17 +96,17 @@ def test_draft_chain_samples_with_the_requests_own_noise():
         for j in range(k):
             pred = d(x_feat, x_emb, pos, attn)[:, -1:]
             logits = torch.nn.functional.linear(pred[:, 0], head_w)
-            g = gumbel_noise(1234, 2, sampling["uid"], sampling["sample_idx"], sampling["position"] + j, 4096,
+            g = gumbel_noise(1234, 2, sampling.uid, sampling.sample_idx, sampling.position + j, 4096,
                              torch.float64)
-            s = filter_logits(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
-            tok = torch.where(sampling["temperature"] == 0, logits.argmax(-1), (s + g).argmax(-1))
+            s = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            tok = torch.where(sampling.temperature == 0, logits.argmax(-1), (s + g).argmax(-1))
             want.append(tok)
             x_feat, x_emb = pred, torch.nn.functional.embedding(tok[:, None], embed_w)
             pos = torch.full((b, 1), w + j, dtype=torch.int64)
     want = torch.stack(want, 1)
     assert torch.equal(got, want)
     # the noise decides the sampled rows (another seed gives other tokens), not the greedy one
-    other = d.draft(feats, tokens, valid, k, embed_w, head, {**sampling, "seed": 99})
+    other = d.draft(feats, tokens, valid, k, embed_w, head, dataclasses.replace(sampling, seed=99))
     assert torch.equal(other[1], got[1]) and not torch.equal(other[[0, 2, 3, 4]], got[[0, 2, 3, 4]])
 
 

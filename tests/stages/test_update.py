@@ -20,7 +20,7 @@ def test_update_without_old_forward_is_the_same_step(dims):  # noqa: F811
     for grp in groups:  # rewards with a spread, so that the policy gradient is not zero
         grp.rewards = torch.rand(len(grp.results), generator=g).tolist()
     # the on-policy check as the separate forward computed it before the step
-    batch = grpo_batch(groups, spec.group_size, spec.pad_id, cfg.grpo.normalize_std)
+    batch = grpo_batch(groups, spec.group_size, spec.pad_id, cfg.grpo.normalize_std, spec.temperature)
     old_lp = base.masked_logprobs(batch["input_ids"], batch["loss_mask"], temperature=spec.temperature)
     want_diff = logprob_diff_max(old_lp, batch["rollout_logprobs"], batch["loss_mask"])
     runs = {}
