@@ -14,10 +14,11 @@ import time
 
 import torch
 
-import megarl.engine.engine as engine_mod
+import megarl.engine.runner as runner_mod
 from megarl.bench.engine_model import _prompts, _requests
 from megarl.engine import Engine
 from megarl.engine.requests import EngineConfig
+from megarl.engine.runner import ModelRunner
 from megarl.models.hf_io import load_hf_model
 
 PHASES = collections.defaultdict(float)
@@ -44,10 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    engine_mod.sample_rows = _timed("sample", engine_mod.sample_rows)
-    engine_mod.token_stats = _timed("token_stats", engine_mod.token_stats)
-    Engine._forward = _timed("forward", Engine._forward)
-    Engine.head_logits = _timed("head", Engine.head_logits)
+    runner_mod.sample_rows = _timed("sample", runner_mod.sample_rows)
+    runner_mod.token_stats = _timed("token_stats", runner_mod.token_stats)
+    ModelRunner.forward = _timed("forward", ModelRunner.forward)
+    ModelRunner.head_logits = _timed("head", ModelRunner.head_logits)
     model = load_hf_model(a.model, getattr(torch, a.dtype)).eval()
     eng = Engine(model, EngineConfig(max_batch_size=a.batch, max_seq_len=a.prompt_len + a.new_tokens,
                                      dtype=a.dtype), seed=0)
