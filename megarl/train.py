@@ -41,7 +41,8 @@ from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
 from megarl.stages.evaluate import Evaluation
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
-from megarl.stages.rollout import RolloutStage, rollout_line
+from megarl.rollout.scoring import rollout_line
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.sft import run_sft
 from megarl.stages.step import Run, StepResult, run_step
 from megarl.trainer.model import parse_dtype

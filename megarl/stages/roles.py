@@ -13,7 +13,7 @@ from megarl.rl.grpo import UpdateSpec, trained_groups
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import Round
 from megarl.sched.timeline import StepTimeline
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 

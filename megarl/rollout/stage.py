@@ -1,113 +1,26 @@
-"""The rollout stage of a synchronous GRPO step (docs/design.md §3, step 2): each rollout replica
+"""The rollout stage of a synchronous GRPO step (docs/design.md §3): each rollout replica
 generates its share of the step's prompts (megarl/sched/placement.py), G samples each, scored in a
-worker pool as they finish; a replica done early does bubble work until the last one is; then the
-replicas exchange their groups. Which prompts a step takes is megarl/sched/prompts.py's.
+worker pool as they finish (megarl/rollout/scoring.py); a replica done early does bubble work until
+the last one is; then the replicas exchange their groups (megarl/rollout/exchange.py). Which
+prompts a step takes is megarl/sched/prompts.py's.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 import torch.distributed as dist
 
-from megarl.rl.rewards import RewardConfig
 from megarl.engine import Engine, Request, Result, SamplingParams
-from megarl.engine.vllm_spec import VLLMSpecConfig
-from megarl.sched.bubble import BubbleWorker, PhaseEnd
-from megarl.sched.bubble_budget import BubbleBudget
-from megarl.sched.placement import LengthHistory, place
 from megarl.rl.reward_pool import RewardPool
-from megarl.rl.task import Problem
+from megarl.rl.rewards import RewardConfig
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.exchange import ReplicaExchange, in_uids_order
+from megarl.rollout.scoring import Group, Scoring, score_groups
+from megarl.sched.placement import LengthHistory, place
 from megarl.sched.timeline import StepTimeline
-
-
-@dataclass
-class RolloutConfig:
-    """How responses are sampled (docs/design.md §1: counter-based Gumbel sampling)."""
-
-    prompts_per_step: int = 8
-    """Prompts (GRPO groups) per RL step."""
-    group_size: int = 8
-    """Samples per prompt (G)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 disables."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 disables."""
-    max_new_tokens: int = 256
-    """Longest response; longer ones are cut (finish_reason=length)."""
-    max_batch_size: int = 64
-    """Requests decoded together (continuous batching)."""
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    """Engine weights/activations dtype."""
-    device: str = "cpu"
-    """Engine device (``cpu`` or ``cuda``)."""
-    kv_cache: Literal["slots", "paged"] = "slots"
-    """Engine KV-cache layout (``EngineConfig.kv_cache``): ``slots`` (a max-length row per request;
-    fastest on CPU) or ``paged`` (blocks freed as requests finish, a group's samples share their
-    prompt's blocks, Triton decode attention on CUDA). Same tokens either way."""
-    cpu_packed_linears: bool = True
-    """On CPU in float32/bfloat16, run the engine's linears through oneDNN on weights reordered once
-    (``EngineConfig.cpu_packed_linears``): 1.3-3x faster matmuls, one more copy of the weights."""
-    placement: Literal["round_robin", "length"] = "round_robin"
-    """How a step's prompts are spread over the rollout replicas (multi-process runs):
-    ``round_robin`` deals them in order; ``length`` balances their predicted work (each prompt's
-    response lengths when last seen; megarl/sched/placement.py). Never changes a sample; it can only
-    help once prompts come back (the second epoch over the prompt set)."""
-
-    backend: Literal["megarl", "vllm"] = "megarl"
-    """What generates the rollouts: ``megarl`` (megarl's own engine: the exactness reference,
-    docs/design.md §1) or ``vllm`` (an in-process ``vllm.LLM``, megarl/engine/vllm_backend.py; the
-    optional extra ``make vllm``). The vLLM backend runs on cpu, in float32 or bfloat16, colocated on
-    one or several processes (one vLLM each, rollout TP 1), with tail batching, placement, stream
-    training and bubble work, and its samples at T > 0 come from vLLM's seeded sampler, not megarl's
-    counter-based noise. Speculation there, at T = 0: megarl's draft sources (``spec.enabled``) or
-    vLLM's own methods (``vllm_spec``), docs/rollout_backends.md."""
-    vllm_spec: VLLMSpecConfig = field(default_factory=VLLMSpecConfig)
-    """vLLM's own speculative methods (``ngram``, ``suffix``) on ``backend: vllm``
-    (megarl/engine/vllm_spec.py); ``method: none`` by default."""
-
-    dump: bool = False
-    """Write every step's samples (prompt uid, sample index, response token ids, reward) to
-    ``RUN_DIR/rollouts.jsonl``, one line per step: for inspecting what the policy generates, and
-    for checking that two runs sampled the same tokens (``megarl bench schedule``)."""
-
-    def __post_init__(self):
-        import re
-
-        from megarl.utils.dataclass_config import check_number
-
-        for name in ("prompts_per_step", "max_new_tokens", "max_batch_size"):
-            check_number(f"rollout.{name}", getattr(self, name), ge=1, integer=True)
-        check_number("rollout.group_size", self.group_size, ge=2, integer=True,
-                     note="GRPO learns from the differences between a prompt's samples: with one sample per prompt "
-                          "every advantage is 0 and the policy never changes")
-        check_number("rollout.temperature", self.temperature, ge=0, note="0 = greedy")
-        check_number("rollout.top_k", self.top_k, ge=0, integer=True, note="0 = off")
-        check_number("rollout.top_p", self.top_p, gt=0, le=1, note="1.0 = off")
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"rollout.device={self.device!r} is invalid; valid: cpu, cuda or cuda:N (N: a GPU index)")
-
-
-    def engine_config(self, max_seq_len: int):
-        """The rollout engine's ``EngineConfig`` from this section (``max_seq_len``: the model's
-        context length)."""
-        from megarl.engine import EngineConfig  # (the engine imports nothing of the run config)
-
-        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=max_seq_len, dtype=self.dtype,
-                            device=self.device, kv_cache=self.kv_cache, cpu_packed_linears=self.cpu_packed_linears)
-
-@dataclass
-class Group:
-    """The G samples of one prompt, with their rewards."""
-
-    problem: Problem
-    results: list[Result]
-    rewards: list[float] = field(default_factory=list)
 
 
 class RolloutStage:
@@ -128,8 +41,7 @@ class RolloutStage:
         self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
-        self._worker: BubbleWorker | None = None  # bubble work of the last run(), until wait_bubble()
-        self.bubble_budget = BubbleBudget()  # which bubble units fit (megarl/sched/bubble_budget.py)
+        self.exchange = ReplicaExchange(replica, replicas, dp_group, tp_group, engine.device)
         self._others: list[list[Result]] = []  # other replicas' results of the last run(), for share_drafts()
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
@@ -141,6 +53,11 @@ class RolloutStage:
         r = rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=inputs.tokenizer.stop_ids)
+
+    @property
+    def bubble_budget(self):
+        """Which bubble units fit (megarl/sched/bubble_budget.py), kept across steps."""
+        return self.exchange.bubble_budget
 
     @property
     def spec(self):
@@ -179,7 +96,7 @@ class RolloutStage:
         errors0 = self.pool.stats()["error_total"]
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
-        scoring = _Scoring(self, mine, on_group, tl)
+        scoring = Scoring(self.inputs, self.pool, self.cfg.group_size, mine, on_group, tl)
         should_stop = None
         if keep is not None:
             quota = min(len(mine), math.ceil(keep / self.replicas))
@@ -197,7 +114,7 @@ class RolloutStage:
         tl.fill("reward", t_rew, time.perf_counter())
         self.reward_errors = self.pool.stats()["error_total"] - errors0
         if self.replicas > 1:
-            results, rewards = self._exchange(uids, step, assignment, results, rewards, bubble, low_priority)
+            results, rewards = self._exchange(uids, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
         g = self.cfg.group_size
         groups, self.aborted = [], {}
@@ -211,40 +128,22 @@ class RolloutStage:
             self.history.update(grp.problem.uid, [len(x.tokens) for x in grp.results])
         return groups
 
-    def _exchange(self, uids, step, assignment, results, rewards, bubble, low_priority):
+    def _exchange(self, uids, assignment, results, rewards, bubble, low_priority):
         """Bubble work until every replica is done, then every replica's results and rewards to
         every replica, in ``uids`` order. The bubble work's last unit may still run: see
         :meth:`wait_bubble`."""
         if bubble is not None:
-            end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
-            end.post()
-            stop = self.bubble_budget.start(end.over)
-            self._worker = BubbleWorker(lambda: bubble(stop), low_priority,
-                                        flush_denormal=self.engine.device.type == "cpu")
-            end.wait()
-            self.bubble_budget.phase_over()
-        shares = [None] * self.replicas
-        dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors,
-                                        dict(self.bubble_budget.unit_s)), group=self.dp_group)
-        self.bubble_budget.adopt([s[4] for r, s in enumerate(shares) if r != self.replica])
-        g = self.cfg.group_size
-        by_index: dict[int, tuple[list[Result], list[float]]] = {}
-        for (res, rew, *_), indices in zip(shares, assignment):  # replica r generated uids[indices] in order
-            for k, j in enumerate(indices):
-                by_index[j] = (res[k * g:(k + 1) * g], rew[k * g:(k + 1) * g])
+            self.exchange.bubble(bubble, low_priority)
+        shares = self.exchange.gather((results, rewards, self.engine_forwards, self.reward_errors))
         self._others = [s[0] for r, s in enumerate(shares) if r != self.replica]
         self.engine_forwards = sum(s[2] for s in shares)
         self.reward_errors = sum(s[3] for s in shares)
         self.replica_tokens = [sum(len(x.tokens) for x in s[0]) for s in shares]
-        results = [x for j in range(len(uids)) for x in by_index[j][0]]
-        rewards = [x for j in range(len(uids)) for x in by_index[j][1]]
-        return results, rewards
+        return in_uids_order(shares, assignment, self.cfg.group_size, len(uids))
 
     def wait_bubble(self) -> None:
         """After ``run``: wait for the bubble work's last unit, if one is still in flight."""
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
+        self.exchange.wait_bubble()
 
     def share_drafts(self, step: int) -> None:
         """After ``wait_bubble`` and any pre-generation of the step: give this replica's engine
@@ -261,10 +160,8 @@ class RolloutStage:
         bubble_src = spec.bubble if spec is not None else None
         if bubble_src is None:
             return
-        shares = [None] * self.replicas
-        dist.all_gather_object(shares, bubble_src.drafts(step + 1), group=self.dp_group)
-        for r, drafts in enumerate(shares):
-            if r != self.replica and drafts:
+        for drafts in self.exchange.from_others(bubble_src.drafts(step + 1)):
+            if drafts:
                 bubble_src.merge(step + 1, drafts)
 
     def close(self) -> None:
@@ -274,13 +171,7 @@ class RolloutStage:
     def groups(self, uids: list[int], results: list[Result]) -> list[Group]:
         """The results of ``requests(uids)`` as GRPO groups, with their rewards scored here, one
         by one (``run`` scores them in the pool as they finish)."""
-        tok, g = self.inputs.tokenizer, self.cfg.group_size
-        groups = []
-        for k, u in enumerate(uids):
-            p, res = self.inputs.problems[u], results[k * g:(k + 1) * g]
-            rewards = [float(self.inputs.reward_fn(p, tok.decode(r.tokens))) for r in res]
-            groups.append(Group(problem=p, results=res, rewards=rewards))
-        return groups
+        return score_groups(self.inputs, uids, results, self.cfg.group_size)
 
     def pregenerate(self, uids: list[int], step: int, should_stop: Callable[[], bool] | None = None) -> int:
         """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts; the
@@ -331,64 +222,3 @@ class RolloutStage:
             # Without speculation every token costs its request one forward.
             "forward_reduction": 1.0 - forwards / max(1, int(lens.sum())),
         }
-
-
-def rollout_line(step: int, groups: list[Group], aborted: dict[int, list[Result]] | None = None) -> dict:
-    """One line of ``rollouts.jsonl`` (``rollout.dump``): every sample of the step, in order, and
-    (tail batching's short rounds) the deferred prompts' samples as the stop left them: their
-    lengths and finish reasons ("aborted": still running), which the simulator's replay needs
-    (megarl/sim/replay.py: they held batch rows until the stop). ``forwards``: the target
-    forwards a sample took (fewer than its tokens where speculation accepted drafts: the replay
-    speeds up each response by its own acceptance)."""
-    line = {"step": step, "samples": [{"uid": r.uid, "sample_idx": r.sample_idx, "tokens": list(r.tokens),
-                                       "reward": reward, "finish_reason": r.finish_reason, "forwards": r.n_forwards}
-                                      for g in groups for r, reward in zip(g.results, g.rewards)]}
-    if aborted:
-        line["deferred"] = [{"uid": u, "lengths": [len(r.tokens) for r in res],
-                             "finish_reasons": [r.finish_reason for r in res]} for u, res in aborted.items()]
-    return line
-
-
-class _Scoring:
-    """Rewards of one replica's share of a step, scored in the pool as each response finishes;
-    with ``on_group`` (stream training) each group is handed on once its last sample is out and
-    scored, strictly in the order the groups finished (the gradients are summed in that order,
-    so it must not depend on how fast rewards come back)."""
-
-    def __init__(self, stage: RolloutStage, mine: list[int], on_group, tl: StepTimeline):
-        self.stage, self.mine, self.on_group, self.tl = stage, mine, on_group, tl
-        self.g = stage.cfg.group_size
-        self.results: list[list[Result | None]] = [[None] * self.g for _ in mine]
-        self.futures: list[list] = [[None] * self.g for _ in mine]
-        self.done: list[int] = []  # groups whose samples are all out, in finishing order
-        self.next = 0  # done[next:] are not handed on yet
-
-    def on_finish(self, i: int, result: Result) -> None:
-        k = i // self.g  # requests are grouped by prompt: request i is sample i % g of prompt k
-        st = self.stage
-        self.results[k][i % self.g] = result
-        problem = st.inputs.problems[self.mine[k]]
-        self.futures[k][i % self.g] = st.pool.submit(st.inputs.reward_fn, problem,
-                                                     st.inputs.tokenizer.decode(result.tokens))
-        if all(r is not None for r in self.results[k]):
-            self.done.append(k)
-        self._hand_on(wait=False)
-
-    def _hand_on(self, wait: bool) -> None:
-        if self.on_group is None:
-            return
-        while self.next < len(self.done):
-            k = self.done[self.next]
-            if not wait and not all(f.done() for f in self.futures[k]):
-                return
-            group = Group(self.stage.inputs.problems[self.mine[k]], self.results[k],
-                          [f.result() for f in self.futures[k]])
-            with self.tl.phase("train"):
-                self.on_group(group)
-            self.next += 1
-
-    def finish(self) -> list[float | None]:
-        """After generation: every complete group handed on, and this share's rewards, in
-        request order (None for a request aborted by a short round: it was never scored)."""
-        self._hand_on(wait=True)
-        return [f.result() if f is not None else None for fs in self.futures for f in fs]
