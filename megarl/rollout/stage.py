@@ -146,23 +146,14 @@ class RolloutStage:
         self.exchange.wait_bubble()
 
     def share_drafts(self, step: int) -> None:
-        """After ``wait_bubble`` and any pre-generation of the step: give this replica's engine
-        what the others made: their samples as history drafts and the bubble drafts they
-        pre-generated for step + 1 (one more small exchange). Nothing to do with one replica."""
+        """After ``wait_bubble`` and any pre-generation of the step: give this replica's
+        speculator what the others made (``Speculator.share_drafts``: their samples as history
+        drafts, the bubble drafts they pre-generated for step + 1). Nothing to do with one replica."""
         if self.replicas == 1:
             return
-        spec = self.engine.spec
-        history = spec.source("history") if spec is not None else None
-        for res in self._others:
-            if history is not None:  # other replicas' samples are history drafts here too
-                history.end(res, step, "rollout")
-        self._others = []
-        bubble_src = spec.bubble if spec is not None else None
-        if bubble_src is None:
-            return
-        for drafts in self.exchange.from_others(bubble_src.drafts(step + 1)):
-            if drafts:
-                bubble_src.merge(step + 1, drafts)
+        others, self._others = self._others, []
+        if self.spec is not None:
+            self.spec.share_drafts(others, step, self.exchange.from_others)
 
     def close(self) -> None:
         """Stop the reward pool's threads (after the last ``run``)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from typing import Callable
 
 from megarl.spec.config import SpecConfig
 from megarl.spec.sources import SOURCE_CLASSES, BubbleSource, DraftSource, Proposal
@@ -157,6 +158,24 @@ class Speculator:
             s.end(results, step, purpose)
         if self.drafter is not None:
             self.drafter.end(results, step, purpose)
+
+    def share_drafts(self, others: list[list], step: int, from_others: Callable[[object], list]) -> None:
+        """After step ``step``'s rollout (rollout data parallelism), what the other replicas made
+        becomes drafts here too: ``others``, their samples of the step, as history drafts, and the
+        bubble drafts they pre-generated for step + 1, merged into this replica's (a prompt need
+        not be generated next step by the replica that pre-generated it). ``from_others(obj)``
+        is the other replicas' ``obj``: a collective, called here by every replica exactly when
+        it has a bubble source (every replica has the same sources)."""
+        history = self.source("history")
+        if history is not None:
+            for results in others:
+                history.end(results, step, "rollout")
+        bubble = self.bubble
+        if bubble is None:
+            return
+        for drafts in from_others(bubble.drafts(step + 1)):
+            if drafts:
+                bubble.merge(step + 1, drafts)
 
     # ------------------------------------------------------------------ learned drafter
     @property
