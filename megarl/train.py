@@ -41,6 +41,7 @@ from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
 from megarl.stages.evaluate import Evaluation
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
+from megarl.rollout.backend import RolloutBackend
 from megarl.rollout.scoring import rollout_line
 from megarl.rollout.stage import RolloutStage
 from megarl.stages.sft import run_sft
@@ -146,13 +147,13 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if preempt is not None and preempt.stopped_at is not None:
         return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
     _export(run_dir, inputs, dims, run, engine, layout)
-    if isinstance(engine, VLLMEngine):  # before megarl's process groups go: vLLM tears down its own
+    if engine is not None:  # before megarl's process groups go: vLLM tears down its own
         engine.close()
     return history
 
 
 def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
-           layout: Layout) -> tuple[Run, int, Engine | None]:
+           layout: Layout) -> tuple[Run, int, RolloutBackend | None]:
     """The step's objects for this process's role, the step to start from (a checkpoint's, after
     SFT when starting afresh) and this process's engine (None if it does not generate)."""
     trainer = engine = None
@@ -176,7 +177,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
                              receiver=receiver)
-    if isinstance(engine, VLLMEngine):  # the sync fills its staging copy; then vLLM loads it
+    if engine is not None:  # (vLLM: the sync fills its staging copy, then vLLM loads it)
         weight_sync = engine.after_sync(weight_sync)
     weight_sync()
     policy = BubblePolicy(cfg.schedule, cfg.spec, cfg.stream_train, cfg.rollout.device == "cpu", layout.rollout_dp)
@@ -226,7 +227,7 @@ def _write_step(run_dir: Path, cfg: RunConfig, result: StepResult, aborted: dict
         append_line(run_dir / "rollouts.jsonl", rollout_line(step, result.groups, aborted or None))
 
 
-def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine: Engine | None,
+def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine: RolloutBackend | None,
                 replica: int, record: dict) -> None:
     """A resumable checkpoint after ``step`` steps: trainer and reference state, the prompt
     schedule, the length history (from the generating side), each replica's drafter, and
@@ -239,7 +240,7 @@ def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine
                     rank_files=drafter_files(engine.spec, replica) if engine is not None else None)
 
 
-def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: Engine | None, layout: Layout) -> None:
+def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: RolloutBackend | None, layout: Layout) -> None:
     """The final policy as a HF folder (every trainer process takes part) and the learned
     drafter beside it (identical on every replica: the first generating process writes it)."""
     if run.trainer.trainer is not None:
@@ -255,7 +256,7 @@ def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: Engine | N
         save_drafter(spec.drafter.model, run_dir / "hf" / "drafter")
 
 
-def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine | VLLMEngine:
+def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> RolloutBackend:
     """This process's rollout engine (``rollout.backend``); with rollout TP its rollout group runs
     the model tensor-parallel (megarl's engine only: the set-up refuses it with vLLM)."""
     if cfg.rollout.backend == "vllm":

@@ -13,9 +13,10 @@ from typing import Callable
 import numpy as np
 import torch.distributed as dist
 
-from megarl.engine import Engine, Request, Result, SamplingParams
+from megarl.engine import Request, Result, SamplingParams
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.rewards import RewardConfig
+from megarl.rollout.backend import RolloutBackend
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.exchange import ReplicaExchange, in_uids_order
 from megarl.rollout.scoring import Group, Scoring, score_groups
@@ -30,7 +31,7 @@ class RolloutStage:
     replicas are exchanged over ``dp_group`` (rank ``replica`` of it is this group's rank), so every
     process returns every group, in ``uids`` order."""
 
-    def __init__(self, engine: Engine, inputs, rollout: RolloutConfig, reward: RewardConfig, replica: int = 0,
+    def __init__(self, engine: RolloutBackend, inputs, rollout: RolloutConfig, reward: RewardConfig, replica: int = 0,
                  replicas: int = 1, dp_group: dist.ProcessGroup | None = None,
                  tp_group: dist.ProcessGroup | None = None):
         if not 0 <= replica < replicas:
