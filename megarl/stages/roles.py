@@ -13,6 +13,7 @@ from megarl.rl.grpo import UpdateSpec, trained_groups
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import Round
 from megarl.sched.timeline import StepTimeline
+from megarl.rollout.bubble import Pregenerate, step_units
 from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
@@ -46,8 +47,9 @@ class RolloutSide:
         """The round's groups (every replica's) and their rollout metrics; with stream training
         each finished group goes to ``stream`` as it completes."""
         stage = self._stage
+        units = step_units(stage, stream, tl, next_uids, step, self.policy.drafter)
         groups = stage.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
-                           bubble=self.policy.bubble_fn(stage, stream, tl, next_uids, step),
+                           bubble=self.policy.bubble_work(units, stage.bubble_budget, stream),
                            low_priority=self.policy.low_priority, keep=rnd.keep)
         metrics = stage.metrics(groups)
         if self.long is not None:
@@ -64,8 +66,7 @@ class RolloutSide:
         if self.policy.pregen_after and next_uids is not None:
             # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
             # bubble drafts made after the rollout, with the weights that sampled this step.
-            with tl.phase("bubble"):
-                tl.bubble_tokens = stage.pregenerate(next_uids, step + 1)
+            Pregenerate(stage, next_uids, step + 1, tl).run(None)
         figures = self.policy.drafter_after_rollout(stage.spec, tl, groups_dp=stage.dp_group)
         stage.share_drafts(step)
         return figures
