@@ -45,7 +45,7 @@ from megarl.rollout.backend import RolloutBackend
 from megarl.rollout.scoring import rollout_line
 from megarl.rollout.stage import RolloutStage
 from megarl.stages.sft import run_sft
-from megarl.stages.step import Run, StepResult, run_step
+from megarl.stages.step import RoundSync, Run, StepResult, run_step
 from megarl.trainer.model import parse_dtype
 from megarl.trainer.reference import ShardedReference
 from megarl.trainer.trainer import Trainer
@@ -199,7 +199,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         trainer, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref, cfg.stream_train, policy.defer_stream)
     exchange = Exchange(dims, layout.rollout_ranks[0], layout.cfg.placement == "disaggregated")
     run = Run(rank=dims.rank, prompts=prompts, rollout=rollout, trainer=side, exchange=exchange, rl_steps=cfg.rl_steps,
-              sync=lambda long: long_sync() if long and long_sync is not None else weight_sync())
+              sync=RoundSync(weight_sync, long_sync))
     return run, start, engine
 
 

@@ -5,14 +5,13 @@ bubble units' measured lengths with them (megarl/sched/bubble_budget.py).
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 from megarl.engine import Result
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
 from megarl.sched.bubble_budget import BubbleBudget
+from megarl.sched.policy import BubbleWork
 
 
 class ReplicaExchange:
@@ -26,7 +25,7 @@ class ReplicaExchange:
         self.bubble_budget = BubbleBudget()  # which bubble units fit (megarl/sched/bubble_budget.py)
         self._worker: BubbleWorker | None = None  # bubble work of the last step, until wait_bubble()
 
-    def bubble(self, work: Callable[[Callable[..., bool]], dict], low_priority: bool) -> None:
+    def bubble(self, work: BubbleWork, low_priority: bool) -> None:
         """Start ``work(stop)`` in its own thread (at the OS's idle priority with ``low_priority``)
         and return once every replica has finished its share; ``stop`` says the phase is over or
         a unit would not fit. The work's last unit may still run: see :meth:`wait_bubble`."""

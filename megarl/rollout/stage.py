@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -16,11 +15,12 @@ import torch.distributed as dist
 from megarl.engine import Request, Result, SamplingParams
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.rewards import RewardConfig
-from megarl.rollout.backend import RolloutBackend
+from megarl.rollout.backend import RolloutBackend, ShouldStop
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.exchange import ReplicaExchange, in_uids_order
-from megarl.rollout.scoring import Group, Scoring, score_groups
+from megarl.rollout.scoring import Group, GroupSink, Scoring, score_groups
 from megarl.sched.placement import LengthHistory, place
+from megarl.sched.policy import BubbleWork
 from megarl.sched.timeline import StepTimeline
 
 
@@ -74,14 +74,15 @@ class RolloutStage:
         return [Request(uid=u, sample_idx=i, prompt_ids=self.inputs.prompt_ids[u], params=self.params)
                 for u in uids for i in range(g)]
 
-    def run(self, uids: list[int], step: int, on_group: Callable[[Group], None] | None = None,
-            timeline: StepTimeline | None = None, bubble: Callable[[Callable[[], bool]], dict] | None = None,
+    def run(self, uids: list[int], step: int, on_group: GroupSink | None = None,
+            timeline: StepTimeline | None = None, bubble: BubbleWork | None = None,
             low_priority: bool = False, keep: int | None = None) -> list[Group]:
         """Every group of ``uids`` (all replicas'). ``on_group(group)`` is called, in this process,
         for each group of this replica as soon as its last sample finishes (stream training).
 
         With several replicas, a replica that finished its share calls ``bubble(stop)`` (bubble
-        work, megarl/sched/bubble.py, in its own thread: it must return once ``stop()`` says the
+        work, megarl/sched/policy.py's composition of megarl/rollout/bubble.py's units, in its own
+        thread (megarl/sched/bubble.py): it must return once ``stop()`` says the
         step's last replica is done; ``low_priority``: at the OS's idle priority) while it waits
         for the others; the replicas then exchange their groups, without waiting for the bubble
         work's last unit (``wait_bubble`` does, before training; ``share_drafts`` then hands the
@@ -165,7 +166,7 @@ class RolloutStage:
         by one (``run`` scores them in the pool as they finish)."""
         return score_groups(self.inputs, uids, results, self.cfg.group_size)
 
-    def pregenerate(self, uids: list[int], step: int, should_stop: Callable[[], bool] | None = None) -> int:
+    def pregenerate(self, uids: list[int], step: int, should_stop: ShouldStop | None = None) -> int:
         """Bubble work: generate step ``step``'s samples now, as that step's coupled drafts; the
         replicas hand them to each other in ``share_drafts``. Returns the tokens generated.
 

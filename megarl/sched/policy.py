@@ -27,6 +27,11 @@ class BubbleUnit(Protocol):
     def run(self, stop: Callable[[], bool]) -> None: ...
 
 
+BubbleWork = Callable[[Callable[..., bool]], dict]
+"""A step's bubble work as the replica exchange runs it: ``work(stop)``, where ``stop()`` says the
+phase is over and ``stop(kind)`` also that a unit of ``kind`` would not fit (bubble_budget.py)."""
+
+
 class BubblePolicy:
     """Where this run's bubble work goes (``schedule`` section): with several rollout replicas,
     into each replica's idle time in the rollout phase; otherwise (or when not listed in
@@ -64,8 +69,7 @@ class BubblePolicy:
         steps, self.drafter_steps = figures["drafter_train_steps"] - self.drafter_steps, figures["drafter_train_steps"]
         return {**figures, "drafter_train_steps": steps}
 
-    def bubble_work(self, units: list[BubbleUnit], budget: BubbleBudget,
-                    stream) -> Callable[[Callable[..., bool]], dict] | None:
+    def bubble_work(self, units: list[BubbleUnit], budget: BubbleBudget, stream) -> BubbleWork | None:
         """The step's bubble work for the replica exchange (megarl/rollout/exchange.py): of the
         step's ``units`` (megarl/rollout/bubble.py), those this run puts into bubbles, in
         ``schedule.bubble_work``'s order; None when there are none. ``budget``: the replica's
