@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megarl.engine import Result
 from megarl.sched.bubble import BubbleWorker, PhaseEnd
 from megarl.sched.bubble_budget import BubbleBudget
-from megarl.sched.policy import BubbleWork
+from megarl.sched.policy import BubbleUnit
 
 
 class ReplicaExchange:
@@ -25,14 +25,14 @@ class ReplicaExchange:
         self.bubble_budget = BubbleBudget()  # which bubble units fit (megarl/sched/bubble_budget.py)
         self._worker: BubbleWorker | None = None  # bubble work of the last step, until wait_bubble()
 
-    def bubble(self, work: BubbleWork, low_priority: bool) -> None:
-        """Start ``work(stop)`` in its own thread (at the OS's idle priority with ``low_priority``)
-        and return once every replica has finished its share; ``stop`` says the phase is over or
-        a unit would not fit. The work's last unit may still run: see :meth:`wait_bubble`."""
+    def bubble(self, plan: list[BubbleUnit], low_priority: bool) -> None:
+        """Run ``plan``'s units (megarl/sched/policy.py's ``bubble_plan``) in their own thread (at
+        the OS's idle priority with ``low_priority``) and return once every replica has finished
+        its share. The work's last unit may still run: see :meth:`wait_bubble`."""
         end = PhaseEnd(self.dp_group, self.tp_group, self.device)
         end.post()
         stop = self.bubble_budget.start(end.over)
-        self._worker = BubbleWorker(lambda: work(stop), low_priority, flush_denormal=self.device.type == "cpu")
+        self._worker = BubbleWorker(lambda: run_units(plan, stop), low_priority, flush_denormal=self.device.type == "cpu")
         end.wait()
         self.bubble_budget.phase_over()
 
@@ -50,11 +50,15 @@ class ReplicaExchange:
         self.bubble_budget.adopt([s[-1] for r, s in enumerate(shares) if r != self.replica])
         return [s[:-1] for s in shares]
 
-    def from_others(self, obj) -> list:
-        """The other replicas' ``obj`` (a collective: every replica calls it), in replica order."""
-        shares = [None] * self.replicas
-        dist.all_gather_object(shares, obj, group=self.dp_group)
-        return [s for r, s in enumerate(shares) if r != self.replica]
+
+def run_units(plan: list[BubbleUnit], stop) -> dict:
+    """The bubble units in order, until the phase is over; ``stop(kind)``: also when a unit of
+    ``kind`` would not fit in the bubble (megarl/sched/bubble_budget.py)."""
+    for unit in plan:
+        if stop():
+            break
+        unit.run(lambda kind=unit.kind: stop(kind))
+    return {}  # figures go to the timeline (summed over replicas there)
 
 
 def in_uids_order(shares: list[tuple], assignment: list[list[int]], group_size: int,

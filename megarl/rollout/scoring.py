@@ -9,7 +9,6 @@ from typing import Callable
 
 from megarl.engine import Result
 from megarl.rl.task import Problem
-from megarl.sched.timeline import StepTimeline
 
 
 @dataclass
@@ -23,7 +22,8 @@ class Group:
 
 GroupSink = Callable[[Group], None]
 """Where a finished, scored group goes as soon as it is complete (stream training: the step's
-``StreamUpdate.add_group``); docs/design.md §3 names it as one of the step's calls back up."""
+``StreamUpdate.add_group``, in the timeline's train phase: megarl/stages/roles.py);
+docs/design.md §3 names it as one of the step's calls back up."""
 
 
 def score_groups(inputs, uids: list[int], results: list[Result], group_size: int) -> list[Group]:
@@ -61,9 +61,8 @@ class Scoring:
     so it must not depend on how fast rewards come back). ``on_finish`` is what the engine calls
     (the backend's ``OnFinish``, megarl/rollout/backend.py)."""
 
-    def __init__(self, inputs, pool, group_size: int, mine: list[int], on_group: GroupSink | None,
-                 tl: StepTimeline):
-        self.inputs, self.pool, self.mine, self.on_group, self.tl = inputs, pool, mine, on_group, tl
+    def __init__(self, inputs, pool, group_size: int, mine: list[int], on_group: GroupSink | None):
+        self.inputs, self.pool, self.mine, self.on_group = inputs, pool, mine, on_group
         self.g = group_size
         self.results: list[list[Result | None]] = [[None] * self.g for _ in mine]
         self.futures: list[list] = [[None] * self.g for _ in mine]
@@ -89,8 +88,7 @@ class Scoring:
                 return
             group = Group(self.inputs.problems[self.mine[k]], self.results[k],
                           [f.result() for f in self.futures[k]])
-            with self.tl.phase("train"):
-                self.on_group(group)
+            self.on_group(group)
             self.next += 1
 
     def finish(self) -> list[float | None]:

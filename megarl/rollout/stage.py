@@ -20,7 +20,7 @@ from megarl.rollout.config import RolloutConfig
 from megarl.rollout.exchange import ReplicaExchange, in_uids_order
 from megarl.rollout.scoring import Group, GroupSink, Scoring, score_groups
 from megarl.sched.placement import LengthHistory, place
-from megarl.sched.policy import BubbleWork
+from megarl.sched.policy import BubbleUnit
 from megarl.sched.timeline import StepTimeline
 
 
@@ -75,19 +75,20 @@ class RolloutStage:
                 for u in uids for i in range(g)]
 
     def run(self, uids: list[int], step: int, on_group: GroupSink | None = None,
-            timeline: StepTimeline | None = None, bubble: BubbleWork | None = None,
+            timeline: StepTimeline | None = None, bubble: list[BubbleUnit] | None = None,
             low_priority: bool = False, keep: int | None = None) -> list[Group]:
         """Every group of ``uids`` (all replicas'). ``on_group(group)`` is called, in this process,
         for each group of this replica as soon as its last sample finishes (stream training).
 
-        With several replicas, a replica that finished its share calls ``bubble(stop)`` (bubble
-        work, megarl/sched/policy.py's composition of megarl/rollout/bubble.py's units, in its own
-        thread (megarl/sched/bubble.py): it must return once ``stop()`` says the
-        step's last replica is done; ``low_priority``: at the OS's idle priority) while it waits
+        With several replicas, a replica that finished its share runs the ``bubble`` units (bubble
+        work, megarl/rollout/bubble.py, as megarl/sched/policy.py's ``bubble_plan`` picks and
+        orders them) in their own thread (megarl/sched/bubble.py; ``low_priority``: at the OS's
+        idle priority), until the step's last replica is done, while it waits
         for the others; the replicas then exchange their groups, without waiting for the bubble
         work's last unit (``wait_bubble`` does, before training; ``share_drafts`` then hands the
-        step + 1 bubble drafts around). ``timeline`` gets this process's generate / reward /
-        train / bubble phases; the rollout phase ends after the exchange.
+        step + 1 bubble drafts around). ``timeline`` gets this process's generate and reward phases
+        (``on_group`` and the bubble units record their own train and bubble phases); the rollout
+        phase ends after the exchange.
 
         ``keep`` (tail batching, megarl/sched/tail.py): stop generating once ``keep`` prompts are
         complete (each replica once its share, ``ceil(keep / replicas)``, is): only the complete
@@ -98,7 +99,7 @@ class RolloutStage:
         errors0 = self.pool.stats()["error_total"]
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
-        scoring = Scoring(self.inputs, self.pool, self.cfg.group_size, mine, on_group, tl)
+        scoring = Scoring(self.inputs, self.pool, self.cfg.group_size, mine, on_group)
         should_stop = None
         if keep is not None:
             quota = min(len(mine), math.ceil(keep / self.replicas))
@@ -134,7 +135,7 @@ class RolloutStage:
         """Bubble work until every replica is done, then every replica's results and rewards to
         every replica, in ``uids`` order. The bubble work's last unit may still run: see
         :meth:`wait_bubble`."""
-        if bubble is not None:
+        if bubble:
             self.exchange.bubble(bubble, low_priority)
         shares = self.exchange.gather((results, rewards, self.engine_forwards, self.reward_errors))
         self._others = [s[0] for r, s in enumerate(shares) if r != self.replica]
@@ -155,7 +156,7 @@ class RolloutStage:
             return
         others, self._others = self._others, []
         if self.spec is not None:
-            self.spec.share_drafts(others, step, self.exchange.from_others)
+            self.spec.share_drafts(others, step, self.dp_group)
 
     def close(self) -> None:
         """Stop the reward pool's threads (after the last ``run``)."""

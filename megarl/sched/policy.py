@@ -27,11 +27,6 @@ class BubbleUnit(Protocol):
     def run(self, stop: Callable[[], bool]) -> None: ...
 
 
-BubbleWork = Callable[[Callable[..., bool]], dict]
-"""A step's bubble work as the replica exchange runs it: ``work(stop)``, where ``stop()`` says the
-phase is over and ``stop(kind)`` also that a unit of ``kind`` would not fit (bubble_budget.py)."""
-
-
 class BubblePolicy:
     """Where this run's bubble work goes (``schedule`` section): with several rollout replicas,
     into each replica's idle time in the rollout phase; otherwise (or when not listed in
@@ -69,26 +64,14 @@ class BubblePolicy:
         steps, self.drafter_steps = figures["drafter_train_steps"] - self.drafter_steps, figures["drafter_train_steps"]
         return {**figures, "drafter_train_steps": steps}
 
-    def bubble_work(self, units: list[BubbleUnit], budget: BubbleBudget, stream) -> BubbleWork | None:
-        """The step's bubble work for the replica exchange (megarl/rollout/exchange.py): of the
-        step's ``units`` (megarl/rollout/bubble.py), those this run puts into bubbles, in
-        ``schedule.bubble_work``'s order; None when there are none. ``budget``: the replica's
-        (megarl/sched/bubble_budget.py), told the length of the last step's stream-training unit;
-        ``stream``: the step's StreamUpdate, or None."""
+    def bubble_plan(self, units: list[BubbleUnit], budget: BubbleBudget, stream) -> list[BubbleUnit]:
+        """The step's bubble work, for the replica exchange to run (megarl/rollout/exchange.py): of
+        the step's ``units`` (megarl/rollout/bubble.py), those this run puts into bubbles, in
+        ``schedule.bubble_work``'s order (its priority); empty when there are none. ``budget``: the
+        replica's (megarl/sched/bubble_budget.py), told the length of the last step's
+        stream-training unit; ``stream``: the step's StreamUpdate, or None."""
         last, self._last_stream = self._last_stream, stream
         if last is not None and last.groups:  # every replica trained groups last step: a unit's length
             budget.record_unit("stream_train", last.seconds / last.groups)
-        chosen = {u.kind: u for u in units if u.kind in self.order}
-        if not chosen:
-            return None
-
-        def work(stop) -> dict:
-            # stop(kind): the phase is over, or a unit of ``kind`` would not fit (megarl/sched/bubble_budget.py)
-            for kind in self.order:  # schedule.bubble_work's order: its priority
-                if stop():
-                    break
-                if kind in chosen:
-                    chosen[kind].run(lambda kind=kind: stop(kind))
-            return {}  # figures go to the timeline (summed over replicas there)
-
-        return work
+        by_kind = {u.kind: u for u in units}
+        return [by_kind[kind] for kind in self.order if kind in by_kind]

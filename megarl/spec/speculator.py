@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from typing import Callable
 
 from megarl.spec.config import SpecConfig
 from megarl.spec.sources import SOURCE_CLASSES, BubbleSource, DraftSource, Proposal
@@ -159,13 +158,15 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.end(results, step, purpose)
 
-    def share_drafts(self, others: list[list], step: int, from_others: Callable[[object], list]) -> None:
+    def share_drafts(self, others: list[list], step: int, group) -> None:
         """After step ``step``'s rollout (rollout data parallelism), what the other replicas made
         becomes drafts here too: ``others``, their samples of the step, as history drafts, and the
         bubble drafts they pre-generated for step + 1, merged into this replica's (a prompt need
-        not be generated next step by the replica that pre-generated it). ``from_others(obj)``
-        is the other replicas' ``obj``: a collective, called here by every replica exactly when
-        it has a bubble source (every replica has the same sources)."""
+        not be generated next step by the replica that pre-generated it). The bubble drafts go
+        over the rollout data-parallel ``group`` (a collective, as ``average_drafter``'s: every
+        replica has the same sources, so all of them call it or none)."""
+        import torch.distributed as dist
+
         history = self.source("history")
         if history is not None:
             for results in others:
@@ -173,8 +174,10 @@ class Speculator:
         bubble = self.bubble
         if bubble is None:
             return
-        for drafts in from_others(bubble.drafts(step + 1)):
-            if drafts:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, bubble.drafts(step + 1), group=group)
+        for r, drafts in enumerate(shares):
+            if r != dist.get_rank(group) and drafts:
                 bubble.merge(step + 1, drafts)
 
     # ------------------------------------------------------------------ learned drafter

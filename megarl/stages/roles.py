@@ -14,6 +14,7 @@ from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import Round
 from megarl.sched.timeline import StepTimeline
 from megarl.rollout.bubble import Pregenerate, step_units
+from megarl.rollout.scoring import GroupSink
 from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
@@ -48,8 +49,8 @@ class RolloutSide:
         each finished group goes to ``stream`` as it completes."""
         stage = self._stage
         units = step_units(stage, stream, tl, next_uids, step, self.policy.drafter)
-        groups = stage.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
-                           bubble=self.policy.bubble_work(units, stage.bubble_budget, stream),
+        groups = stage.run(rnd.uids, step, on_group=_stream_sink(stream, tl), timeline=tl,
+                           bubble=self.policy.bubble_plan(units, stage.bubble_budget, stream),
                            low_priority=self.policy.low_priority, keep=rnd.keep)
         metrics = stage.metrics(groups)
         if self.long is not None:
@@ -79,6 +80,18 @@ class RolloutSide:
     def close(self) -> None:
         for s in self.stages:
             s.close()
+
+
+def _stream_sink(stream: StreamUpdate | None, tl: StepTimeline) -> GroupSink | None:
+    """Stream training's ``GroupSink``: each group the rollout hands on goes to ``stream``, its
+    time recorded as the timeline's train phase (inside the rollout's own phases)."""
+    if stream is None:
+        return None
+
+    def sink(group) -> None:
+        with tl.phase("train"):
+            stream.add_group(group)
+    return sink
 
 
 class NoRollout:

@@ -116,7 +116,7 @@ def test_the_policy_records_the_last_steps_time_per_group():
     policy = BubblePolicy(ScheduleConfig(), SpecConfig(), stream_train=True, on_cpu=True, replicas=2)
     budget = BubbleBudget()
     step0, step1 = SimpleNamespace(groups=4, seconds=20.0), SimpleNamespace(groups=0, seconds=0.0)
-    policy.bubble_work([], budget, step0)
+    policy.bubble_plan([], budget, step0)
     assert budget.unit_s == {}  # nothing trained before step 0
-    policy.bubble_work([], budget, step1)
+    policy.bubble_plan([], budget, step1)
     assert budget.unit_s == {"stream_train": 5.0}

@@ -1,6 +1,8 @@
 """The bubble policy composes a step's bubble units (megarl/sched/policy.py): the ones this run puts
-into bubbles, in ``schedule.bubble_work``'s order, each asked to stop with its own kind (the bubble
-budget's unit length), the phase's end checked before each."""
+into bubbles, in ``schedule.bubble_work``'s order; the replica exchange runs them in that order,
+each asked to stop with its own kind (the bubble budget's unit length), the phase's end checked
+before each (megarl/rollout/exchange.py)."""
+from megarl.rollout.exchange import run_units
 from megarl.sched.bubble import ScheduleConfig
 from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.policy import BubblePolicy
@@ -24,16 +26,24 @@ def _units(log: list) -> list[Unit]:
     return [Unit("stream_train", log), Unit("pregen", log), Unit("drafter_train", log)]
 
 
-def test_units_run_in_the_schedules_order_each_stopped_by_its_kind():
+def test_the_plan_is_the_units_for_bubbles_in_the_schedules_order():
+    plan = _policy(("pregen", "stream_train")).bubble_plan(_units([]), BubbleBudget(), None)
+    assert [u.kind for u in plan] == ["pregen", "stream_train"]  # no drafter configured: not in bubbles
+    assert _policy(("stream_train",)).bubble_plan(_units([]), BubbleBudget(), None)[0].kind == "stream_train"
+    assert _policy(("stream_train",)).bubble_plan([Unit("pregen", [])], BubbleBudget(), None) == []
+    assert _policy(("stream_train", "pregen"), replicas=1).bubble_plan(_units([]), BubbleBudget(), None) == []
+
+
+def test_units_run_in_order_each_stopped_by_its_kind():
     log, asked = [], []
 
     def stop(kind=None):
         asked.append(kind)
         return False
 
-    work = _policy(("pregen", "stream_train")).bubble_work(_units(log), BubbleBudget(), None)
-    assert work(stop) == {}
-    assert log == [("pregen", False), ("stream_train", False)]  # no drafter configured: not run
+    plan = _policy(("pregen", "stream_train")).bubble_plan(_units(log), BubbleBudget(), None)
+    assert run_units(plan, stop) == {}
+    assert log == [("pregen", False), ("stream_train", False)]
     assert asked == [None, "pregen", None, "stream_train"]
 
 
@@ -46,10 +56,5 @@ def test_the_phase_end_stops_the_work_before_the_next_unit():
             return len(phase_checks) > 1  # over once the first unit is done
         return False
 
-    _policy(("stream_train", "pregen")).bubble_work(_units(log), BubbleBudget(), None)(stop)
+    run_units(_policy(("stream_train", "pregen")).bubble_plan(_units(log), BubbleBudget(), None), stop)
     assert [k for k, _ in log] == ["stream_train"]
-
-
-def test_no_bubble_work_without_a_unit_for_the_bubble():
-    assert _policy(("stream_train", "pregen"), replicas=1).bubble_work(_units([]), BubbleBudget(), None) is None
-    assert _policy(("stream_train",)).bubble_work([Unit("pregen", [])], BubbleBudget(), None) is None
