@@ -196,8 +196,8 @@ class Speculator:
     def on_verify(self, reqs, hidden, tokens, n_rows, n_accept, n_before) -> None:
         self.drafter.on_verify(reqs, hidden, tokens, n_rows, n_accept, n_before)
 
-    # The run loop's view of the drafter (megarl/sched/policy.py): training it in bubbles or after
-    # the rollout, and keeping its weights the same on every rollout replica.
+    # The run loop's view of the drafter (megarl/rollout/bubble.py, megarl/sched/policy.py): training
+    # it in bubbles or after the rollout, and keeping its weights the same on every rollout replica.
     @property
     def drafter_ready(self) -> bool:
         """A drafter exists and is built (it is, from the engine's first generate call on)."""
