@@ -1,14 +1,14 @@
 """The bubble work a rollout replica can do in a step, as units (``schedule.bubble_work``'s
-entries, docs/design.md §3): each a ``BubbleUnit`` (megarl/sched/policy.py) whose ``run(stop)``
+entries, docs/design.md §3): each a ``BubbleUnit`` (megarl/sched/bubble.py) whose ``run(stop)``
 works until ``stop()`` says the phase is over or its next piece would not fit. The policy picks
-and orders them; the replica exchange runs them in the bubble thread (megarl/rollout/exchange.py).
+and orders them (megarl/sched/policy.py); the bubble thread runs them (megarl/sched/bubble.py).
 Each records its own figures and phase on the step's timeline.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from megarl.sched.policy import BubbleUnit
+from megarl.sched.bubble import BubbleUnit
 from megarl.sched.timeline import StepTimeline
 from megarl.spec.config import DrafterConfig
 from megarl.spec.speculator import Speculator

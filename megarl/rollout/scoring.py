@@ -68,6 +68,11 @@ class Scoring:
         self.futures: list[list] = [[None] * self.g for _ in mine]
         self.done: list[int] = []  # groups whose samples are all out, in finishing order
         self.next = 0  # done[next:] are not handed on yet
+        self._errors0 = pool.stats()["error_total"]
+        self.errors = 0
+        """Rewards of the share that crashed or hung (scored 0), once :meth:`finish` returned."""
+        self.timeout_s = 0.0
+        """The pool's reward timeout once :meth:`finish` returned (adaptive: it follows the runs)."""
 
     def on_finish(self, i: int, result: Result) -> None:
         k = i // self.g  # requests are grouped by prompt: request i is sample i % g of prompt k
@@ -95,4 +100,7 @@ class Scoring:
         """After generation: every complete group handed on, and this share's rewards, in
         request order (None for a request aborted by a short round: it was never scored)."""
         self._hand_on(wait=True)
-        return [f.result() if f is not None else None for fs in self.futures for f in fs]
+        rewards = [f.result() if f is not None else None for fs in self.futures for f in fs]
+        stats = self.pool.stats()
+        self.errors, self.timeout_s = stats["error_total"] - self._errors0, stats["timeout_s"]
+        return rewards

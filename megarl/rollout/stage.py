@@ -1,11 +1,12 @@
 """The rollout stage of a synchronous GRPO step (docs/design.md §3): each rollout replica
 generates its share of the step's prompts (megarl/sched/placement.py), G samples each, scored in a
 worker pool as they finish (megarl/rollout/scoring.py); a replica done early does bubble work until
-the last one is; then the replicas exchange their groups (megarl/rollout/exchange.py). Which
-prompts a step takes is megarl/sched/prompts.py's.
+the last one is (megarl/sched/bubble.py runs its units); then the replicas exchange their groups.
+Which prompts a step takes is megarl/sched/prompts.py's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -17,10 +18,10 @@ from megarl.rl.reward_pool import RewardPool
 from megarl.rl.rewards import RewardConfig
 from megarl.rollout.backend import RolloutBackend, ShouldStop
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.exchange import ReplicaExchange, in_uids_order
 from megarl.rollout.scoring import Group, GroupSink, Scoring, score_groups
+from megarl.sched.bubble import BubbleUnit, BubbleWorker, PhaseEnd, run_units
+from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.placement import LengthHistory, place
-from megarl.sched.policy import BubbleUnit
 from megarl.sched.timeline import StepTimeline
 
 
@@ -42,23 +43,20 @@ class RolloutStage:
         self.replica, self.replicas, self.dp_group, self.tp_group = replica, replicas, dp_group, tp_group
         self.engine_forwards = 0  # forwards of every replica's engine in the last run()
         self.spec_metrics: dict[str, float] = {}  # this replica's speculator figures of the last run()
-        self.exchange = ReplicaExchange(replica, replicas, dp_group, tp_group, engine.device)
+        self.bubble_budget = BubbleBudget()  # which bubble units fit (megarl/sched/bubble_budget.py)
+        self._worker: BubbleWorker | None = None  # bubble work of the last run(), until wait_bubble()
         self._others: list[list[Result]] = []  # other replicas' results of the last run(), for share_drafts()
         self.replica_tokens: list[int] = []  # response tokens each replica generated in the last run()
         # Every process updates it from every group, so all compute the same placement.
         self.history = LengthHistory()
         self.pool = RewardPool(reward.workers, reward.sandbox, reward.adaptive_timeout)
         self.reward_errors = 0  # rewards of the last run() that crashed or hung (scored 0), all replicas
+        self.reward_timeout_s = 0.0  # the reward pool's timeout after the last run()
         # Prompts the last run() left incomplete (tail batching's keep), with their samples as the stop left them.
         self.aborted: dict[int, list[Result]] = {}
         r = rollout
         self.params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=inputs.tokenizer.stop_ids)
-
-    @property
-    def bubble_budget(self):
-        """Which bubble units fit (megarl/sched/bubble_budget.py), kept across steps."""
-        return self.exchange.bubble_budget
 
     @property
     def spec(self):
@@ -96,7 +94,6 @@ class RolloutStage:
         Completion is counted in engine iterations, so which prompts make it is deterministic."""
         tl = timeline if timeline is not None else StepTimeline()
         self.engine.reset_stats()
-        errors0 = self.pool.stats()["error_total"]
         assignment = self._assignment(uids)
         mine = [uids[j] for j in assignment[self.replica]]
         scoring = Scoring(self.inputs, self.pool, self.cfg.group_size, mine, on_group)
@@ -115,7 +112,7 @@ class RolloutStage:
         t_rew = time.perf_counter()  # what the pool has not finished yet (and the groups not yet handed on:
         rewards = scoring.finish()  # their stream training is recorded as "train" inside this span)
         tl.fill("reward", t_rew, time.perf_counter())
-        self.reward_errors = self.pool.stats()["error_total"] - errors0
+        self.reward_errors, self.reward_timeout_s = scoring.errors, scoring.timeout_s
         if self.replicas > 1:
             results, rewards = self._exchange(uids, assignment, results, rewards, bubble, low_priority)
         tl.end_rollout()
@@ -133,20 +130,36 @@ class RolloutStage:
 
     def _exchange(self, uids, assignment, results, rewards, bubble, low_priority):
         """Bubble work until every replica is done, then every replica's results and rewards to
-        every replica, in ``uids`` order. The bubble work's last unit may still run: see
-        :meth:`wait_bubble`."""
+        every replica, in ``uids`` order (the bubble units' measured lengths with them). The bubble
+        work's last unit may still run: see :meth:`wait_bubble`."""
         if bubble:
-            self.exchange.bubble(bubble, low_priority)
-        shares = self.exchange.gather((results, rewards, self.engine_forwards, self.reward_errors))
+            self._bubble(bubble, low_priority)
+        shares = [None] * self.replicas
+        dist.all_gather_object(shares, (results, rewards, self.engine_forwards, self.reward_errors,
+                                        dict(self.bubble_budget.unit_s)), group=self.dp_group)
+        self.bubble_budget.adopt([s[4] for r, s in enumerate(shares) if r != self.replica])
         self._others = [s[0] for r, s in enumerate(shares) if r != self.replica]
         self.engine_forwards = sum(s[2] for s in shares)
         self.reward_errors = sum(s[3] for s in shares)
         self.replica_tokens = [sum(len(x.tokens) for x in s[0]) for s in shares]
-        return in_uids_order(shares, assignment, self.cfg.group_size, len(uids))
+        return _in_uids_order(shares, assignment, self.cfg.group_size, len(uids))
+
+    def _bubble(self, plan: list[BubbleUnit], low_priority: bool) -> None:
+        """Run ``plan``'s units in the bubble thread (megarl/sched/bubble.py; at the OS's idle
+        priority with ``low_priority``) until every replica has finished its share."""
+        end = PhaseEnd(self.dp_group, self.tp_group, self.engine.device)
+        end.post()
+        stop = self.bubble_budget.start(end.over)
+        self._worker = BubbleWorker(functools.partial(run_units, plan, stop), low_priority,
+                                    flush_denormal=self.engine.device.type == "cpu")
+        end.wait()
+        self.bubble_budget.phase_over()
 
     def wait_bubble(self) -> None:
         """After ``run``: wait for the bubble work's last unit, if one is still in flight."""
-        self.exchange.wait_bubble()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
 
     def share_drafts(self, step: int) -> None:
         """After ``wait_bubble`` and any pre-generation of the step: give this replica's
@@ -207,7 +220,7 @@ class RolloutStage:
             "truncated_frac": float(np.mean([r.finish_reason == "length" for r in results])),
             "zero_var_groups": int(sum(len(set(g.rewards)) == 1 for g in groups)),
             "reward_errors": self.reward_errors,
-            "reward_timeout_s": self.pool.stats()["timeout_s"],
+            "reward_timeout_s": self.reward_timeout_s,
             "rollout_tokens": int(lens.sum()),
             "target_forwards": forwards,
             "engine_forwards": self.engine_forwards,
@@ -216,3 +229,17 @@ class RolloutStage:
             # Without speculation every token costs its request one forward.
             "forward_reduction": 1.0 - forwards / max(1, int(lens.sum())),
         }
+
+
+def _in_uids_order(shares: list[tuple], assignment: list[list[int]], group_size: int,
+                   n_uids: int) -> tuple[list[Result], list[float | None]]:
+    """Every replica's ``(results, rewards, ...)`` share back in ``uids`` order: replica r
+    generated ``uids[assignment[r]]``, in that order, ``group_size`` samples each."""
+    g = group_size
+    by_index: dict[int, tuple[list[Result], list[float]]] = {}
+    for (res, rew, *_), indices in zip(shares, assignment):
+        for k, j in enumerate(indices):
+            by_index[j] = (res[k * g:(k + 1) * g], rew[k * g:(k + 1) * g])
+    results = [x for j in range(n_uids) for x in by_index[j][0]]
+    rewards = [x for j in range(n_uids) for x in by_index[j][1]]
+    return results, rewards

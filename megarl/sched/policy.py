@@ -9,22 +9,10 @@ drafter takes ``steps_after_rollout`` steps then. None of it changes a sample or
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
-
-from megarl.sched.bubble import ScheduleConfig
+from megarl.sched.bubble import BubbleUnit, ScheduleConfig
 from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.timeline import StepTimeline
 from megarl.spec.config import SpecConfig
-
-
-class BubbleUnit(Protocol):
-    """One kind of bubble work, ready for a step (megarl/rollout/bubble.py): ``kind`` is its
-    ``schedule.bubble_work`` entry; ``run(stop)`` works, a piece at a time, until ``stop()`` says
-    the rollout phase is over or its next piece would not fit in the bubble."""
-
-    kind: str
-
-    def run(self, stop: Callable[[], bool]) -> None: ...
 
 
 class BubblePolicy:
@@ -65,7 +53,7 @@ class BubblePolicy:
         return {**figures, "drafter_train_steps": steps}
 
     def bubble_plan(self, units: list[BubbleUnit], budget: BubbleBudget, stream) -> list[BubbleUnit]:
-        """The step's bubble work, for the replica exchange to run (megarl/rollout/exchange.py): of
+        """The step's bubble work, for the bubble thread to run (megarl/sched/bubble.py): of
         the step's ``units`` (megarl/rollout/bubble.py), those this run puts into bubbles, in
         ``schedule.bubble_work``'s order (its priority); empty when there are none. ``budget``: the
         replica's (megarl/sched/bubble_budget.py), told the length of the last step's

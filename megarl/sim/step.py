@@ -250,7 +250,7 @@ def _train_s(sl: StepLengths, features: frozenset, profile: Profile, knobs: Step
     train = run_phase(left, np.zeros(R), profile, work="train").barrier
     if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
         # The replicas exchange without waiting for the stream-training unit in flight; training
-        # waits for it (megarl/rollout/exchange.py wait_bubble): half a group's forward/backward on average.
+        # waits for it (megarl/rollout/stage.py wait_bubble): half a group's forward/backward on average.
         # (An upper bound: the bubble budget, megarl/sched/bubble_budget.py, starts no unit it expects
         # to overrun the bubble; at GPU unit lengths the two agree.)
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))

@@ -1,9 +1,8 @@
 """The bubble policy composes a step's bubble units (megarl/sched/policy.py): the ones this run puts
-into bubbles, in ``schedule.bubble_work``'s order; the replica exchange runs them in that order,
+into bubbles, in ``schedule.bubble_work``'s order; the bubble thread runs them in that order,
 each asked to stop with its own kind (the bubble budget's unit length), the phase's end checked
-before each (megarl/rollout/exchange.py)."""
-from megarl.rollout.exchange import run_units
-from megarl.sched.bubble import ScheduleConfig
+before each (megarl/sched/bubble.py)."""
+from megarl.sched.bubble import ScheduleConfig, run_units
 from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.policy import BubblePolicy
 from megarl.spec.config import SpecConfig
