@@ -32,6 +32,9 @@ from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
 from megarl.rl.rollout_correction import describe as describe_correction
 from megarl.resume import check_checkpoint_fits, check_run_dir, record, restore
+from megarl.rollout.backend import RolloutBackend
+from megarl.rollout.scoring import rollout_line
+from megarl.rollout.stage import RolloutStage
 from megarl.run_dir import clear_start, restart_line, start_leftovers
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
@@ -41,9 +44,6 @@ from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
 from megarl.stages.evaluate import Evaluation
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
-from megarl.rollout.backend import RolloutBackend
-from megarl.rollout.scoring import rollout_line
-from megarl.rollout.stage import RolloutStage
 from megarl.stages.sft import run_sft
 from megarl.stages.step import RoundSync, Run, StepResult, run_step
 from megarl.trainer.model import parse_dtype

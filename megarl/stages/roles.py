@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.rl.grpo import UpdateSpec, trained_groups
-from megarl.sched.policy import BubblePolicy
-from megarl.sched.prompts import Round
-from megarl.sched.timeline import StepTimeline
 from megarl.rollout.bubble import Pregenerate, step_units
 from megarl.rollout.scoring import GroupSink
 from megarl.rollout.stage import RolloutStage
+from megarl.sched.policy import BubblePolicy
+from megarl.sched.prompts import Round
+from megarl.sched.timeline import StepTimeline
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 
