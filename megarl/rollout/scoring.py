@@ -4,6 +4,7 @@ finishes (:class:`Scoring`, which hands each group on for stream training), or o
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -73,6 +74,14 @@ class Scoring:
         """Rewards of the share that crashed or hung (scored 0), once :meth:`finish` returned."""
         self.timeout_s = 0.0
         """The pool's reward timeout once :meth:`finish` returned (adaptive: it follows the runs)."""
+
+    def stop_at(self, groups: int) -> Callable[[], bool]:
+        """A ``ShouldStop`` for the engine (tail batching's short rounds): yes once ``groups`` of
+        the share's groups are complete (counted in engine iterations: deterministic)."""
+        return functools.partial(self._complete, groups)
+
+    def _complete(self, groups: int) -> bool:
+        return len(self.done) >= groups
 
     def on_finish(self, i: int, result: Result) -> None:
         k = i // self.g  # requests are grouped by prompt: request i is sample i % g of prompt k

@@ -99,8 +99,7 @@ class RolloutStage:
         scoring = Scoring(self.inputs, self.pool, self.cfg.group_size, mine, on_group)
         should_stop = None
         if keep is not None:
-            quota = min(len(mine), math.ceil(keep / self.replicas))
-            should_stop = lambda: len(scoring.done) >= quota  # noqa: E731
+            should_stop = scoring.stop_at(min(len(mine), math.ceil(keep / self.replicas)))
         t_gen = time.perf_counter()
         results = self.engine.generate(self.requests(mine), step=step, on_finish=scoring.on_finish,
                                        should_stop=should_stop)

@@ -18,6 +18,7 @@ the priority is left alone (the device work is what matters there).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -79,7 +80,7 @@ def run_units(plan: list[BubbleUnit], stop: Callable[..., bool]) -> dict:
     for unit in plan:
         if stop():
             break
-        unit.run(lambda kind=unit.kind: stop(kind))
+        unit.run(functools.partial(stop, unit.kind))  # the budget's own stop, for this kind
     return {}
 
 
