@@ -109,13 +109,13 @@ def time_prefill(cfg, inputs, batch: int, prompt_len: int, repeat: int) -> float
 
 
 def real_rollouts(cfg, inputs, steps: int, spec: bool = False, pregen: bool = False) -> list[dict]:
-    """The run's own rollout stage (megarl/stages/rollout.py: engine, reward pool, stop tokens, slot
+    """The run's own rollout stage (megarl/rollout/stage.py: engine, reward pool, stop tokens, slot
     compaction) on the task's first ``steps`` steps, timed: what the synthetic grid leaves out
     (requests finishing at different times) is in these. With ``spec``, speculative (the same
     tokens), with each step's tokens and draft rows per target forward; with ``pregen`` too, each
     step's bubble drafts pre-generated first (untimed: long drafts, all accepted)."""
     from megarl.sched.prompts import prompt_uids_for_step
-    from megarl.stages.rollout import RolloutStage
+    from megarl.rollout.stage import RolloutStage
 
     eng = probe.make_engine(cfg, inputs, cfg.rollout.max_batch_size, spec=spec)
     if inputs.init_from_hf:

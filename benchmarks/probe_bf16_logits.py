@@ -24,7 +24,7 @@ from megarl.models.hf_io import load_hf_model
 from megarl.sched.prompts import prompt_uids_for_step
 from megarl.setup_run import prepare_inputs
 from megarl.spec.speculator import Speculator
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 
 
 class RecordingEngine(Engine):

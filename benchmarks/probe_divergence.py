@@ -34,7 +34,7 @@ from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
 from megarl.sched.prompts import prompt_uids_for_step
 from megarl.setup_run import prepare_inputs
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.trainer.trainer import Trainer
 from megarl.train import set_deterministic

@@ -30,7 +30,7 @@ from megarl.setup_run import prepare_inputs
 from megarl.spec.config import DrafterConfig
 from megarl.spec.drafter import save_drafter
 from megarl.spec.speculator import Speculator
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 
 
 def speculator(cfg, cost_rule: bool, **drafter) -> Speculator:

@@ -22,7 +22,7 @@ from megarl.config import load_config
 from megarl.engine import Engine
 from megarl.models.hf_io import load_hf_model
 from megarl.rl.reasoning_gym_data import extract_tagged_answer
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.setup_run import prepare_inputs
 
 

@@ -21,7 +21,7 @@ from megarl.rl.grpo import GRPOConfig
 from megarl.rl.reasoning_gym_data import ReasoningGymConfig
 from megarl.rl.rewards import RewardConfig
 from megarl.stages.evaluate import EvalConfig
-from megarl.stages.rollout import RolloutConfig
+from megarl.rollout.config import RolloutConfig
 from megarl.stages.sft import SFTConfig
 from megarl.sched.tail import TailConfig
 from megarl.rl.task import TaskConfig

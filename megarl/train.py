@@ -35,6 +35,9 @@ from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import UpdateSpec
 from megarl.rl.rollout_correction import describe as describe_correction
 from megarl.resume import check_checkpoint_fits, check_run_dir, record, restore
+from megarl.rollout.backend import RolloutBackend
+from megarl.rollout.scoring import rollout_line
+from megarl.rollout.stage import RolloutStage
 from megarl.run_dir import clear_start, restart_line, start_leftovers
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import PromptSchedule
@@ -44,9 +47,8 @@ from megarl.spec.drafter_state import drafter_files, restore_drafter
 from megarl.spec.speculator import Speculator
 from megarl.stages.evaluate import Evaluation
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
-from megarl.stages.rollout import RolloutStage, rollout_line
 from megarl.stages.sft import run_sft
-from megarl.stages.step import Run, StepResult, run_step
+from megarl.stages.step import RoundSync, Run, StepResult, run_step
 from megarl.trainer.model import parse_dtype
 from megarl.trainer.reference import ShardedReference
 from megarl.trainer.trainer import Trainer
@@ -119,7 +121,7 @@ def _locked_train(cfg: RunConfig, run_dir: Path, resume: bool, inputs: RunInputs
 
 def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
            layout: Layout, preempt: PreemptSignals | None = None) -> list[dict]:
-    run, start, engine, close_vllm = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
+    run, start, engine, close_rollout = _build(cfg, run_dir, inputs, ckpt, dims, rollout_groups, layout)
     evaluation = Evaluation.build(cfg.eval, cfg.rl_steps, inputs, engine, cfg.rollout, cfg.reward, rollout_groups,
                                   layout.rollout_dp, run.exchange.from_generators, dims.rank == 0)
     history = []
@@ -148,26 +150,26 @@ def _train(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     if preempt is not None and preempt.stopped_at is not None:
         return history  # unfinished: no export (leaving PreemptSignals raises Preempted)
     _export(run_dir, inputs, dims, run, engine, layout)
-    close_vllm()  # before megarl's process groups go: vLLM tears down its own
+    close_rollout()  # before megarl's process groups go: vLLM tears down its own
     return history
 
 
 def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, dims, rollout_groups: RolloutGroups,
-           layout: Layout) -> tuple[Run, int, Engine | None, Callable[[], None]]:
+           layout: Layout) -> tuple[Run, int, RolloutBackend | None, Callable[[], None]]:
     """The step's objects for this process's role, the step to start from (a checkpoint's, after
-    SFT when starting afresh), this process's engine (None if it does not generate) and what tears
-    vLLM's process groups down at the end (a no-op without the vLLM backend)."""
+    SFT when starting afresh), this process's engine (None if it does not generate) and what
+    closes the rollout side at the end (the engine; on a trainer-only process of a vLLM run, its
+    share of vLLM's process groups)."""
     trainer = engine = None
-    close_vllm: Callable[[], None] = lambda: None
+    close_rollout: Callable[[], None] = lambda: None
     if dims.trains:
         trainer = Trainer(inputs.args, cfg.trainer, dims, hf_dir=inputs.init_from_hf,
                           mcore_dir=inputs.init_from_mcore, seed=cfg.seed)
     if dims.generates:
         engine = _make_engine(cfg, inputs, layout.cfg.rollout_tp, rollout_groups.tp_group)
-        if isinstance(engine, VLLMEngine):
-            close_vllm = engine.close
+        close_rollout = engine.close
     elif cfg.rollout.backend == "vllm":  # a trainer-only process joins vLLM's groups, made over every process
-        close_vllm = _vllm_groups(cfg, inputs).close
+        close_rollout = _vllm_groups(cfg, inputs).close
     start, trainer_state, loop_state = 0, {}, {}
     prompts = PromptSchedule(cfg.rollout.prompts_per_step, cfg.seed, cfg.rl_steps, cfg.tail, inputs.train_size)
     if ckpt is not None:
@@ -183,7 +185,7 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
     receiver = None if trainer is not None else (dims, inputs.args, parse_dtype(cfg.trainer.dtype))
     weight_sync = WeightSync(trainer, engine, cfg.parallel.weight_sync_bucket_mb, bridge=rollout_groups.bridge,
                              receiver=receiver)
-    if isinstance(engine, VLLMEngine):  # the sync fills its staging copy; then vLLM loads it
+    if engine is not None:  # (vLLM: the sync fills its staging copy, then vLLM loads it)
         weight_sync = engine.after_sync(weight_sync)
     weight_sync()
     policy = BubblePolicy(cfg.schedule, cfg.spec, cfg.stream_train, cfg.rollout.device == "cpu", layout.rollout_dp)
@@ -205,8 +207,8 @@ def _build(cfg: RunConfig, run_dir: Path, inputs: RunInputs, ckpt: Path | None, 
         trainer, UpdateSpec.of(cfg, inputs.tokenizer.pad_id), ref, cfg.stream_train, policy.defer_stream)
     exchange = Exchange(dims, layout.rollout_ranks[0], layout.cfg.placement == "disaggregated")
     run = Run(rank=dims.rank, prompts=prompts, rollout=rollout, trainer=side, exchange=exchange, rl_steps=cfg.rl_steps,
-              sync=lambda long: long_sync() if long and long_sync is not None else weight_sync())
-    return run, start, engine, close_vllm
+              sync=RoundSync(weight_sync, long_sync))
+    return run, start, engine, close_rollout
 
 
 def _sft(cfg: RunConfig, run_dir: Path, inputs: RunInputs, dims, trainer: Trainer | None) -> None:
@@ -233,7 +235,7 @@ def _write_step(run_dir: Path, cfg: RunConfig, result: StepResult, aborted: dict
         append_line(run_dir / "rollouts.jsonl", rollout_line(step, result.groups, aborted or None))
 
 
-def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine: Engine | None,
+def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine: RolloutBackend | None,
                 replica: int, record: dict) -> None:
     """A resumable checkpoint after ``step`` steps: trainer and reference state, the prompt
     schedule, the length history (from the generating side), each replica's drafter, and
@@ -246,7 +248,7 @@ def _checkpoint(run_dir: Path, cfg: RunConfig, dims, run: Run, step: int, engine
                     rank_files=drafter_files(engine.spec, replica) if engine is not None else None)
 
 
-def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: Engine | None, layout: Layout) -> None:
+def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: RolloutBackend | None, layout: Layout) -> None:
     """The final policy as a HF folder (every trainer process takes part) and the learned
     drafter beside it (identical on every replica: the first generating process writes it)."""
     if run.trainer.trainer is not None:
@@ -262,7 +264,7 @@ def _export(run_dir: Path, inputs: RunInputs, dims, run: Run, engine: Engine | N
         save_drafter(spec.drafter.model, run_dir / "hf" / "drafter")
 
 
-def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> Engine | VLLMEngine:
+def _make_engine(cfg: RunConfig, inputs: RunInputs, rollout_tp: int, tp_group) -> RolloutBackend:
     """This process's rollout engine (``rollout.backend``); with rollout TP its rollout group runs
     the model tensor-parallel (megarl's engine only: the set-up refuses it with vLLM)."""
     if cfg.rollout.backend == "vllm":

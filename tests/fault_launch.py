@@ -47,9 +47,10 @@ def install(fault: str) -> None:
     import megarl.train as train
 
     if kind == "rollout":
-        from megarl.stages import rollout
+        from megarl.rollout.scoring import Scoring
+        from megarl.rollout.stage import RolloutStage
 
-        run, on_finish, seen = rollout.RolloutStage.run, rollout._Scoring.on_finish, {"step": None, "k": 0}
+        run, on_finish, seen = RolloutStage.run, Scoring.on_finish, {"step": None, "k": 0}
 
         def run_hook(self, uids, step, *a, **kw):
             seen["step"] = step + 1  # run_step's step is 0-based
@@ -62,7 +63,7 @@ def install(fault: str) -> None:
                 if seen["k"] == n[1]:
                     die()
 
-        rollout.RolloutStage.run, rollout._Scoring.on_finish = run_hook, on_finish_hook
+        RolloutStage.run, Scoring.on_finish = run_hook, on_finish_hook
     elif kind == "checkpoint":
         import torch
 

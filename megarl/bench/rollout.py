@@ -28,7 +28,7 @@ from megarl.models.llama import CausalLM
 from megarl.parallel.dist import init_distributed, shutdown_distributed
 from megarl.parallel.weight_sync import WeightSync
 from megarl.sched.prompts import prompt_uids_for_step
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.sft import run_sft
 from megarl.rl.grpo import UpdateSpec
 from megarl.stages.update import grpo_update

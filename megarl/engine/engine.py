@@ -80,6 +80,16 @@ class Engine:
         if self.spec is not None:
             self.spec.reset_stats()
 
+    def after_sync(self, sync: Callable[[], dict]) -> Callable[[], dict]:
+        """The weight sync as it is: it writes into this engine's parameters in place, which the
+        next ``generate`` reads (its packed linears refreshed there). The rollout backend interface
+        (megarl/rollout/backend.py); the vLLM backend adds its load here."""
+        return sync
+
+    def close(self) -> None:
+        """Nothing to release beyond memory: no process, thread or process group of its own
+        (the rollout backend interface, megarl/rollout/backend.py)."""
+
     def load_weights(self, named: dict[str, torch.Tensor], sliced: bool = False) -> None:
         """Copy HF-named tensors into the model in place, cast to the engine dtype. All names
         and shapes are checked before anything is copied. A ``lm_head.weight`` sent for a

@@ -205,6 +205,12 @@ class VLLMEngine:
             self.spec.end(results, step, purpose)
         return results
 
+    def pregenerate(self, requests: list[Request], step: int, coupled: bool = True,
+                    should_stop=None) -> list[Result]:
+        """Bubble drafts are not made on this backend: refused with ``generate``'s error for
+        ``purpose='bubble'`` (the rollout backend interface, megarl/rollout/backend.py)."""
+        return self.generate(requests, step, purpose="bubble", should_stop=should_stop)
+
     def _params(self, i: int, r: Request, step: int):
         """vLLM's ``SamplingParams`` of request ``i`` (see the module docstring)."""
         from vllm import SamplingParams as VSP

@@ -18,11 +18,12 @@ the priority is left alone (the device work is what matters there).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,28 @@ class ScheduleConfig:
         if self.bubble_priority not in ("idle", "normal"):
             raise ValueError(f"schedule.bubble_priority={self.bubble_priority!r} is invalid; "
                              f"valid choices: ['idle', 'normal']")
+
+
+class BubbleUnit(Protocol):
+    """One kind of bubble work, ready for a step (megarl/rollout/bubble.py): ``kind`` is its
+    ``schedule.bubble_work`` entry; ``run(stop)`` works, a unit at a time, until ``stop()`` says
+    the rollout phase is over or its next unit would not fit in the bubble. The bubble thread
+    calls it (:func:`run_units`): the one way this layer calls up into the rollout's work."""
+
+    kind: str
+
+    def run(self, stop: Callable[[], bool]) -> None: ...
+
+
+def run_units(plan: list[BubbleUnit], stop: Callable[..., bool]) -> dict:
+    """The bubble work of a step: ``plan``'s units in order (megarl/sched/policy.py's
+    ``bubble_plan``) until ``stop()`` says the phase is over; ``stop(kind)`` also says that a unit
+    of ``kind`` would not fit (megarl/sched/bubble_budget.py). Figures go to the timeline."""
+    for unit in plan:
+        if stop():
+            break
+        unit.run(functools.partial(stop, unit.kind))  # the budget's own stop, for this kind
+    return {}
 
 
 class PhaseEnd:

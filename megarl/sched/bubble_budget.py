@@ -31,7 +31,7 @@ def _average(old: float | None, new: float) -> float:
 
 
 class BubbleBudget:
-    """One replica's estimates, kept across steps (the RolloutStage owns it)."""
+    """One replica's estimates, kept across steps (its RolloutStage owns it)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -75,7 +75,7 @@ class BubbleBudget:
 
 class BubbleGate:
     """``stop(kind=None)``: True once the phase is over or, for a unit of ``kind``, once the unit
-    would not fit (megarl/sched/policy.py passes the kind). Called from the bubble worker's thread."""
+    would not fit (megarl/sched/bubble.py run_units passes the kind). Called from the bubble worker's thread."""
 
     def __init__(self, budget: BubbleBudget, phase_over: Callable[..., bool], start: float):
         self.budget, self.phase_over, self.start = budget, phase_over, start

@@ -9,7 +9,8 @@ drafter takes ``steps_after_rollout`` steps then. None of it changes a sample or
 """
 from __future__ import annotations
 
-from megarl.sched.bubble import ScheduleConfig
+from megarl.sched.bubble import BubbleUnit, ScheduleConfig
+from megarl.sched.bubble_budget import BubbleBudget
 from megarl.sched.timeline import StepTimeline
 from megarl.spec.config import SpecConfig
 
@@ -51,31 +52,14 @@ class BubblePolicy:
         steps, self.drafter_steps = figures["drafter_train_steps"] - self.drafter_steps, figures["drafter_train_steps"]
         return {**figures, "drafter_train_steps": steps}
 
-    def bubble_fn(self, rollout, stream, tl: StepTimeline, next_uids: list[int] | None, step: int):
-        """The bubble work of one step for ``rollout`` (its RolloutStage), or None when there is
-        none; ``stream``: the step's StreamUpdate (stream training) or None."""
+    def bubble_plan(self, units: list[BubbleUnit], budget: BubbleBudget, stream) -> list[BubbleUnit]:
+        """The step's bubble work, for the bubble thread to run (megarl/sched/bubble.py): of
+        the step's ``units`` (megarl/rollout/bubble.py), those this run puts into bubbles, in
+        ``schedule.bubble_work``'s order (its priority); empty when there are none. ``budget``: the
+        replica's (megarl/sched/bubble_budget.py), told the length of the last step's
+        stream-training unit; ``stream``: the step's StreamUpdate, or None."""
         last, self._last_stream = self._last_stream, stream
         if last is not None and last.groups:  # every replica trained groups last step: a unit's length
-            rollout.bubble_budget.record_unit("stream_train", last.seconds / last.groups)
-        if not (self.defer_stream or (self.pregen_in_bubble and next_uids is not None) or self.drafter_in_bubble):
-            return None
-
-        def work(stop) -> dict:
-            # stop(kind): the phase is over, or a unit of ``kind`` would not fit (megarl/sched/bubble_budget.py)
-            for what in self.order:  # schedule.bubble_work's order: its priority
-                if stop():
-                    break
-                if what == "stream_train":
-                    with tl.phase("train"):
-                        tl.bubble_groups = stream.drain(lambda: stop("stream_train"))
-                elif what == "drafter_train":
-                    if rollout.spec.drafter_ready:
-                        with tl.phase("bubble"):
-                            rollout.spec.train_drafter(lambda: stop("drafter_train"),
-                                                       max_steps=self.drafter.steps_per_bubble)
-                elif next_uids is not None:
-                    with tl.phase("bubble"):
-                        tl.bubble_tokens = rollout.pregenerate(next_uids, step + 1, should_stop=lambda: stop("pregen"))
-            return {}  # figures go to the timeline (summed over replicas there)
-
-        return work
+            budget.record_unit("stream_train", last.seconds / last.groups)
+        by_kind = {u.kind: u for u in units}
+        return [by_kind[kind] for kind in self.order if kind in by_kind]

@@ -250,7 +250,7 @@ def _train_s(sl: StepLengths, features: frozenset, profile: Profile, knobs: Step
     train = run_phase(left, np.zeros(R), profile, work="train").barrier
     if "stream" in features and R > 1 and (phase.idle_done < own - 1e-12).any():
         # The replicas exchange without waiting for the stream-training unit in flight; training
-        # waits for it (megarl/stages/rollout.py wait_bubble): half a group's forward/backward on average.
+        # waits for it (megarl/rollout/stage.py wait_bubble): half a group's forward/backward on average.
         # (An upper bound: the bubble budget, megarl/sched/bubble_budget.py, starts no unit it expects
         # to overrun the bubble; at GPU unit lengths the two agree.)
         unit = own[own > 0].sum() / max(1, int(done_groups[own > 0].sum()))
@@ -263,7 +263,7 @@ def _pregen_cover(lens: np.ndarray, prompt: np.ndarray, budget: np.ndarray, prof
     """Bubble-draft prefix (tokens per request) of each replica share of the next step, from
     each replica's pre-generation seconds. Replica r pre-generates share r (no speculation; this
     step's share r stands in for the next one's lengths, same distribution) and, once that is
-    complete, share r + 1 with what is left (megarl/stages/rollout.py goes on cyclically; one hop
+    complete, share r + 1 with what is left (megarl/rollout/stage.py pregenerate goes on cyclically; one hop
     is modelled)."""
     R = lens.shape[0]
     first = run_rollout(lens, prompt, profile, group=knobs.group, max_batch=knobs.max_batch, budget=budget,

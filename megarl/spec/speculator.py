@@ -158,6 +158,28 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.end(results, step, purpose)
 
+    def share_drafts(self, others: list[list], step: int, group) -> None:
+        """After step ``step``'s rollout (rollout data parallelism), what the other replicas made
+        becomes drafts here too: ``others``, their samples of the step, as history drafts, and the
+        bubble drafts they pre-generated for step + 1, merged into this replica's (a prompt need
+        not be generated next step by the replica that pre-generated it). The bubble drafts go
+        over the rollout data-parallel ``group`` (a collective, as ``average_drafter``'s: every
+        replica has the same sources, so all of them call it or none)."""
+        import torch.distributed as dist
+
+        history = self.source("history")
+        if history is not None:
+            for results in others:
+                history.end(results, step, "rollout")
+        bubble = self.bubble
+        if bubble is None:
+            return
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, bubble.drafts(step + 1), group=group)
+        for r, drafts in enumerate(shares):
+            if r != dist.get_rank(group) and drafts:
+                bubble.merge(step + 1, drafts)
+
     # ------------------------------------------------------------------ learned drafter
     @property
     def needs_hidden(self) -> bool:
@@ -174,8 +196,8 @@ class Speculator:
     def on_verify(self, reqs, hidden, tokens, n_rows, n_accept, n_before) -> None:
         self.drafter.on_verify(reqs, hidden, tokens, n_rows, n_accept, n_before)
 
-    # The run loop's view of the drafter (megarl/sched/policy.py): training it in bubbles or after
-    # the rollout, and keeping its weights the same on every rollout replica.
+    # The run loop's view of the drafter (megarl/rollout/bubble.py, megarl/sched/policy.py): training
+    # it in bubbles or after the rollout, and keeping its weights the same on every rollout replica.
     @property
     def drafter_ready(self) -> bool:
         """A drafter exists and is built (it is, from the engine's first generate call on)."""

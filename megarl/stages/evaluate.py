@@ -26,7 +26,7 @@ from megarl.rl.eval_metrics import PREFIX, eval_line, eval_metrics
 from megarl.rl.reward_pool import RewardPool
 from megarl.rl.rewards import RewardConfig
 from megarl.rl.task import Problem
-from megarl.stages.rollout import RolloutConfig
+from megarl.rollout.config import RolloutConfig
 
 log = logging.getLogger("megarl")
 

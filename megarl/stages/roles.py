@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.rl.grpo import UpdateSpec, trained_groups
+from megarl.rollout.bubble import Pregenerate, step_units
+from megarl.rollout.scoring import GroupSink
+from megarl.rollout.stage import RolloutStage
 from megarl.sched.policy import BubblePolicy
 from megarl.sched.prompts import Round
 from megarl.sched.timeline import StepTimeline
-from megarl.stages.rollout import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 
@@ -46,8 +48,9 @@ class RolloutSide:
         """The round's groups (every replica's) and their rollout metrics; with stream training
         each finished group goes to ``stream`` as it completes."""
         stage = self._stage
-        groups = stage.run(rnd.uids, step, on_group=stream.add_group if stream is not None else None, timeline=tl,
-                           bubble=self.policy.bubble_fn(stage, stream, tl, next_uids, step),
+        units = step_units(stage, stream, tl, next_uids, step, self.policy.drafter)
+        groups = stage.run(rnd.uids, step, on_group=_stream_sink(stream, tl), timeline=tl,
+                           bubble=self.policy.bubble_plan(units, stage.bubble_budget, stream),
                            low_priority=self.policy.low_priority, keep=rnd.keep)
         metrics = stage.metrics(groups)
         if self.long is not None:
@@ -64,8 +67,7 @@ class RolloutSide:
         if self.policy.pregen_after and next_uids is not None:
             # No idle replica to do it in (one replica, or pregen not in schedule.bubble_work):
             # bubble drafts made after the rollout, with the weights that sampled this step.
-            with tl.phase("bubble"):
-                tl.bubble_tokens = stage.pregenerate(next_uids, step + 1)
+            Pregenerate(stage, next_uids, step + 1, tl).run(None)
         figures = self.policy.drafter_after_rollout(stage.spec, tl, groups_dp=stage.dp_group)
         stage.share_drafts(step)
         return figures
@@ -78,6 +80,18 @@ class RolloutSide:
     def close(self) -> None:
         for s in self.stages:
             s.close()
+
+
+def _stream_sink(stream: StreamUpdate | None, tl: StepTimeline) -> GroupSink | None:
+    """Stream training's ``GroupSink``: each group the rollout hands on goes to ``stream``, its
+    time recorded as the timeline's train phase (inside the rollout's own phases)."""
+    if stream is None:
+        return None
+
+    def sink(group) -> None:
+        with tl.phase("train"):
+            stream.add_group(group)
+    return sink
 
 
 class NoRollout:

@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
-
+from megarl.rollout.backend import WeightSyncFn
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import bubble_fraction, gather_records, replica_sum
 from megarl.stages.roles import Exchange, NoRollout, NoTrainer, RolloutSide, TrainerSide
+
+
+@dataclass
+class RoundSync:
+    """The weight sync after a step, into the engine the next round runs on: ``short``, this
+    process's engine, or ``long`` for tail batching's long rounds when they run on an engine of
+    their own (elastic rollout TP, megarl/sched/tail.py; None without). Each is a
+    ``WeightSyncFn`` (megarl/rollout/backend.py)."""
+
+    short: WeightSyncFn
+    long: WeightSyncFn | None = None
+
+    def __call__(self, long_round: bool) -> dict:
+        return self.long() if long_round and self.long is not None else self.short()
 
 
 @dataclass
@@ -26,9 +39,8 @@ class Run:
     rollout: RolloutSide | NoRollout
     trainer: TrainerSide | NoTrainer
     exchange: Exchange
-    sync: Callable[[bool], dict]
-    """Weight sync into the engine of the next round (``sync(long_round)``: tail batching's
-    long rounds may run on another engine, with elastic rollout TP)."""
+    sync: RoundSync
+    """Weight sync into the engine of the next round (``sync(long_round)``)."""
     rl_steps: int
 
 

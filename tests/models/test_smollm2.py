@@ -15,7 +15,7 @@ import torch
 from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.hf_io import load_hf_model
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.rl.tokenizer import HFTokenizer
 from megarl.setup_run import prepare_inputs
 from megarl.spec.speculator import Speculator

@@ -10,7 +10,7 @@ from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig
 from megarl.rl.reward_pool import sandboxed
 from megarl.rl.rewards import RewardConfig
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.rl.sandbox import run_python
 from megarl.setup_run import prepare_inputs
 from tests.spec.test_spec_engine import _policy_with_entropy

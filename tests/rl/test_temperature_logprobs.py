@@ -15,7 +15,7 @@ from megarl.engine import Engine, EngineConfig, filter_logits
 from megarl.parallel.dist import ParallelDims
 from megarl.rl import grpo as grpo_mod
 from megarl.stages import sft
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.rl.grpo import UpdateSpec
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate

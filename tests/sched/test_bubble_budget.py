@@ -114,9 +114,9 @@ def test_the_policy_records_the_last_steps_time_per_group():
     from megarl.spec.config import SpecConfig
 
     policy = BubblePolicy(ScheduleConfig(), SpecConfig(), stream_train=True, on_cpu=True, replicas=2)
-    rollout = SimpleNamespace(bubble_budget=BubbleBudget())
+    budget = BubbleBudget()
     step0, step1 = SimpleNamespace(groups=4, seconds=20.0), SimpleNamespace(groups=0, seconds=0.0)
-    policy.bubble_fn(rollout, step0, None, None, 0)
-    assert rollout.bubble_budget.unit_s == {}  # nothing trained before step 0
-    policy.bubble_fn(rollout, step1, None, None, 1)
-    assert rollout.bubble_budget.unit_s == {"stream_train": 5.0}
+    policy.bubble_plan([], budget, step0)
+    assert budget.unit_s == {}  # nothing trained before step 0
+    policy.bubble_plan([], budget, step1)
+    assert budget.unit_s == {"stream_train": 5.0}

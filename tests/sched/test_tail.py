@@ -9,7 +9,8 @@ from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig
 from megarl.rl.data import epoch_order
 from megarl.rl.grpo import grpo_batch, logprob_diff_max
-from megarl.stages.rollout import RolloutStage, rollout_line
+from megarl.rollout.scoring import rollout_line
+from megarl.rollout.stage import RolloutStage
 from megarl.sched.tail import Round, TailBatcher, TailConfig
 from megarl.trainer.logprobs import ref_token_logprobs
 from megarl.setup_run import prepare_inputs

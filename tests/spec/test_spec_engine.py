@@ -10,7 +10,7 @@ import torch
 from megarl.config import load_config
 from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.llama import CausalLM
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.setup_run import prepare_inputs
 from megarl.spec.config import SpecConfig
 from megarl.spec.sources import DraftSource, Proposal

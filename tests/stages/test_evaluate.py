@@ -78,7 +78,7 @@ def test_evaluator_samples_with_its_own_noise_and_leaves_the_speculator_alone():
     from megarl.rl.eval_metrics import eval_metrics
     from megarl.rl.rewards import RewardConfig
     from megarl.stages.evaluate import EVAL_NOISE_STEP, Evaluator, HeldOut
-    from megarl.stages.rollout import RolloutConfig
+    from megarl.rollout.config import RolloutConfig
     from tests.engine.test_engine import engine
 
     eng = engine(max_batch_size=4)

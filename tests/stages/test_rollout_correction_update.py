@@ -8,7 +8,7 @@ import torch
 from megarl.engine import Engine, EngineConfig
 from megarl.parallel.weight_sync import WeightSync
 from megarl.rl.grpo import GRPOConfig, UpdateSpec
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.trainer.trainer import Trainer, TrainerConfig
 from tests.rl.test_temperature_logprobs import _setup, dims  # noqa: F401 (dims: the fixture)

@@ -11,7 +11,7 @@ from megarl.models.init_weights import init_hf_state
 from megarl.models.llama import CausalLM
 from megarl.rl.grpo import UpdateSpec
 from megarl.setup_run import prepare_inputs
-from megarl.stages.rollout import RolloutStage
+from megarl.rollout.stage import RolloutStage
 from megarl.stages.update import grpo_update
 from megarl.stream_train.stream import StreamUpdate
 from megarl.trainer.trainer import Trainer, TrainerConfig
