@@ -10,7 +10,7 @@ from megarl.spec.speculator import Speculator
 
 
 def _result(uid: int, i: int, prompt: list[int], tokens: list[int]) -> Result:
-    return Result(uid, i, prompt, tokens, [0.0] * len(tokens), [], "stop", len(tokens))
+    return Result(uid, i, prompt, tokens, [0.0] * len(tokens), [], "stop", len(tokens), temperature=1.0)
 
 
 def _speculator(sources=("bubble", "history")) -> Speculator:
