@@ -87,7 +87,7 @@ class Engine:
         return sync
 
     def close(self) -> None:
-        """Nothing to release beyond memory: no process, thread or process group of its own
+        """Nothing to free but memory: no process, thread or process group of its own
         (the rollout backend interface, megarl/rollout/backend.py)."""
 
     def load_weights(self, named: dict[str, torch.Tensor], sliced: bool = False) -> None:

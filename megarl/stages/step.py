@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
 from megarl.rollout.backend import WeightSyncFn
 from megarl.sched.prompts import PromptSchedule
 from megarl.sched.timeline import bubble_fraction, gather_records, replica_sum
