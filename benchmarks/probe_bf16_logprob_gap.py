@@ -3,8 +3,10 @@ folder (docs/benchmarks.md, "The trainer at real size"): the on-policy check ``l
 of a bf16 run is the gap between two independently rounded bf16 computations.
 
 Samples ``--requests`` responses with the bf16 engine (T=1) from random prompts, then scores them
-with megarl's CausalLM in fp64 (the exact value), the bf16 and fp32 trainers; prints the max and
-mean absolute difference of each to the exact value and of the engine to each trainer.
+with megarl's CausalLM in fp64 (the exact value), the bf16 trainer with each ``trainer.attention``
+of ``--attention`` and the fp32 trainer; prints the max and mean absolute difference of each to
+the exact value and of the engine to each trainer, and the share of tokens where the engine and
+a trainer agree bit for bit.
 
     PYTHONPATH=. .venv/bin/python benchmarks/probe_bf16_logprob_gap.py RUN_DIR/hf
 """
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("hf_dir")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--attention", default="sdpa,eager", help="bf16 trainer attentions to score with, comma-separated")
     a = ap.parse_args()
     dims = init_parallel()
     exact_model = load_hf_model(a.hf_dir, torch.float64)
@@ -52,17 +55,18 @@ def main() -> None:
         exact = torch.log_softmax(exact_model(ids), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     hf = load_hf_state_dict(a.hf_dir)
     scored = {"engine bf16": engine_lp}
-    for dtype in ("bfloat16", "float32"):
-        tr = Trainer(exact_model.args, TrainerConfig(dtype=dtype, micro_batch_size=8), dims,
+    runs = [("bfloat16", att) for att in a.attention.split(",")] + [("float32", "sdpa")]
+    for dtype, att in runs:
+        tr = Trainer(exact_model.args, TrainerConfig(dtype=dtype, micro_batch_size=8, attention=att), dims,
                      hf_state={k: v.to(getattr(torch, dtype)) for k, v in hf.items()})
-        scored[f"trainer {dtype}"] = tr.masked_logprobs(ids, mask).double()
+        scored[f"trainer {dtype} {att}"] = tr.masked_logprobs(ids, mask).double()
     m = mask.bool()
     print(f"{int(m.sum())} response tokens; weights {next(iter(hf.values())).dtype}")
     pairs = [(k, "exact", v, exact) for k, v in scored.items()]
-    pairs += [("engine bf16", k, scored["engine bf16"], scored[k]) for k in ("trainer bfloat16", "trainer float32")]
+    pairs += [("engine bf16", k, scored["engine bf16"], v) for k, v in scored.items() if k.startswith("trainer")]
     for x, y, u, v in pairs:
         d = (u - v)[m].abs()
-        print(f"{x} vs {y}: max {d.max():.4f}, mean {d.mean():.5f}")
+        print(f"{x} vs {y}: max {d.max():.4f}, mean {d.mean():.5f}, equal {float((d == 0).float().mean()):.1%}")
     teardown(dims)
 
 

@@ -14,6 +14,7 @@ import heapq
 
 import torch
 
+from megarl.models.llama import grouped_attention
 
 
 def _positions(starts: list[int], t: int, device) -> torch.Tensor:
@@ -236,22 +237,3 @@ def window_masks(masked: torch.Tensor, pos: torch.Tensor, windows: list[int | No
     for w in set(windows or ()) - {None}:
         out[w] = masked | (key_pos[None, None, :] <= pos[:, :, None] - w)
     return out
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """Attention over cached keys, the math of ``megarl.models.llama.attention`` without its
-    copies: GQA by folding the query heads of one kv head into the query rows (instead of
-    repeating k/v), and k/v in the cache's head-major layout, read in place.
-
-    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] (any batch stride); masked: bool [B, T, S], True =
-    may not attend. Returns [B, T, Hq, D]."""
-    b, t, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    rep = hq // hkv  # query head h reads kv head h // rep (HF's repeat_kv)
-    qg = q.view(b, t, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * t, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d ** -0.5)  # [B, Hkv, rep*T, S]
-    scores = scores.view(b, hkv, rep, t, s).masked_fill(masked[:, None, None], float("-inf"))
-    sm_dtype = torch.promote_types(scores.dtype, torch.float32)
-    probs = torch.softmax(scores.to(sm_dtype), dim=-1).to(q.dtype).view(b, hkv, rep * t, s)
-    out = torch.matmul(probs, v)  # [B, Hkv, rep*T, D]
-    return out.view(b, hkv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)

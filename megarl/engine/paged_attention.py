@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engine.kv_cache import grouped_attention
 from megarl.engine.paged_contract import check_paged_inputs
+from megarl.models.llama import grouped_attention
 
 BACKENDS = ("auto", "torch", "triton")
 

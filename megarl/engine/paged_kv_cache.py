@@ -28,8 +28,9 @@ import heapq
 
 import torch
 
-from megarl.engine.kv_cache import CacheAttention, _positions, grouped_attention, window_masks
+from megarl.engine.kv_cache import CacheAttention, _positions, window_masks
 from megarl.engine.paged_attention import gather_pages, page_index
+from megarl.models.llama import grouped_attention
 
 # Verify rows of up to this many tokens go to the Triton kernel on CUDA; longer rows (prefill)
 # take the torch path. 16 covers k_max drafts + 1 for every SpecConfig default.

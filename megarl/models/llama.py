@@ -34,6 +34,27 @@ class AttentionBackend(Protocol):
         """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (RoPE applied). Returns [B, T, Hq, D]."""
 
 
+# torch's CPU softmax reduces a row shorter than one vector (16 fp32 lanes with AVX-512, 8 with
+# AVX2) in another order than a longer row, so without padding a row's probabilities would depend
+# on how many hidden keys pad it: the batch's longest row in the engine, the micro-batch's in the
+# trainer. Rows of fewer keys get hidden ones up to this width; from one vector up, hidden keys
+# (exp = 0) add exact zeros to their lanes and change no bit (tests/models/test_attention_math.py).
+MIN_SOFTMAX_KEYS = 16
+
+
+def masked_softmax(scores: torch.Tensor, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax over the last dim of ``scores`` with ``masked`` (True = hidden, broadcastable) keys
+    at probability 0, computed in at least fp32 and rounded once to ``dtype`` (HF's eager
+    attention); the same bits for a row whatever the number of hidden keys after its own."""
+    scores = scores.masked_fill(masked, float("-inf"))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    s = scores.shape[-1]
+    if s < MIN_SOFTMAX_KEYS:
+        pad = scores.new_full((*scores.shape[:-1], MIN_SOFTMAX_KEYS - s), float("-inf"))
+        return torch.softmax(torch.cat((scores, pad), -1), dim=-1)[..., :s].to(dtype)
+    return torch.softmax(scores, dim=-1).to(dtype)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Reference attention. q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask: bool [B or 1, Tq, Tk]
     (True = may attend). Softmax runs in at least fp32, as in HF's eager attention."""
@@ -43,11 +64,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         v = v.repeat_interleave(n_rep, dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    sm_dtype = torch.promote_types(scores.dtype, torch.float32)
-    probs = torch.softmax(scores.to(sm_dtype), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2)
+    hidden = torch.zeros((), dtype=torch.bool, device=q.device) if mask is None else ~mask[:, None]
+    return torch.matmul(masked_softmax(scores, hidden, q.dtype), v).transpose(1, 2)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    """Attention over keys in the KV cache's head-major layout, the math of :func:`attention`
+    without its copies: GQA by folding the query heads of one kv head into the query rows
+    (instead of repeating k/v), k/v read in place. The engine's attention on CPU, and the
+    trainer's with ``trainer.attention: eager`` (megarl/trainer/model.py), so that the two
+    compute a token's logprob with the same bits (docs/design.md §1.3).
+
+    q: [B, T, Hq, D] (any strides); k, v: [B, Hkv, S, D] (any batch stride); masked: bool
+    [B or 1, T, S], True = may not attend; ``scale``: of q kᵀ, D ** -0.5 by default. Returns
+    [B, T, Hq, D]."""
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    rep = hq // hkv  # query head h reads kv head h // rep (HF's repeat_kv)
+    qg = q.reshape(b, t, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)  # [B, Hkv, rep*T, S]
+    probs = masked_softmax(scores.view(b, hkv, rep, t, s), masked[:, None, None], q.dtype)
+    out = torch.matmul(probs.view(b, hkv, rep * t, s), v)  # [B, Hkv, rep*T, D]
+    return out.view(b, hkv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
 
 
 def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -81,10 +120,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.promote_types(dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # torch's fused norm, which Megatron's torch-only RMSNorm also calls: statistics in at
+        # least fp32 and one rounding of (x * rsqrt(mean x² + eps) * weight) to x's dtype. HF's
+        # eager norm rounds twice in bf16 (the normalised x, then times the weight); one rounding
+        # is closer to exact and makes the bf16 engine's norm the bf16 trainer's bit for bit.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megarl.models import mcore_mapping, mcore_sharding
 from megarl.models.config import ModelArgs
+from megarl.models.llama import grouped_attention
 from megarl.models.rope import inv_freq_and_scale
 from megarl.trainer import cpu_compat
 from megarl.parallel.dist import ParallelDims
@@ -177,14 +178,15 @@ def seed_megatron(seed: int, dims: ParallelDims) -> None:
 
 
 def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    chunk: int = 0, recompute: str = "none"):
+                    chunk: int = 0, recompute: str = "none", attention: str = "sdpa"):
     """Megatron ``GPTModel`` of this rank with the local (non-TE) layer spec: the pipeline stage
     ``dims.stage(chunk)`` of ``dims.stages`` (with virtual stages, ``vpp`` > 1, one call per model
     chunk; embedding on the first stage, final norm and output layer on the last) and
     the TP piece ``dims.tp_rank``, the vocab padded to ``mcore_sharding.padded_vocab`` (not padded
     at TP=1); for an MoE model the router and this EP rank's ``num_experts / dims.ep`` experts
     (``SequentialMLP``), with the q/k layernorms of Qwen3. Megatron's own init, seeded by
-    ``seed``, gives the initial weights. ``recompute``: activation recompute (:data:`RECOMPUTE`)."""
+    ``seed``, gives the initial weights. ``recompute``: activation recompute (:data:`RECOMPUTE`);
+    ``attention``: the core attention's math, a key of :data:`ATTENTION`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -197,9 +199,9 @@ def build_gpt_model(args: ModelArgs, dims: ParallelDims, dtype: torch.dtype = to
                                      qk_layernorm=args.qk_norm, normalization="RMSNorm")
     # The TE spec would only apply with transformer_engine importable; megarl uses the local
     # spec everywhere so that CPU and GPU runs share one module tree (and one name mapping).
-    # Its core attention (no parameters) is swapped for one on torch's SDPA: the same math
-    # without the [b*heads, s, s] score and probability tensors, and packed sequences.
-    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    # Its core attention (no parameters) is swapped for megarl's: torch's SDPA (the same math
+    # without the [b*heads, s, s] score and probability tensors) or the engine's, and packed sequences.
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention)
     logger.info("GPTModel layer spec: local (transformer_engine %s)",
                 "importable" if cpu_compat.transformer_engine_importable() else "not importable")
     cfg = transformer_config(args, dims, dtype, recompute)
@@ -256,11 +258,11 @@ def load_hf_state(model, hf_sd: dict[str, torch.Tensor], args: ModelArgs, dims: 
 
 
 @functools.cache
-def sdpa_attention_class():
+def sdpa_attention_class(attention: str = "sdpa"):
     """Megatron's local ``DotProductAttention`` with its forward on
     ``torch.nn.functional.scaled_dot_product_attention`` (causal; within its window in a sliding layer,
-    Megatron's ``window_size`` / ``window_attn_skip_freq``): built on first use, so that
-    importing this module does not import Megatron.
+    Megatron's ``window_size`` / ``window_attn_skip_freq``), or on the engine's math (``"eager"``,
+    :func:`_eager`): built on first use, so that importing this module does not import Megatron.
 
     Why: the local spec's attention materialises the scores and the probabilities as
     [b * heads, s, s] tensors (baddbmm into a global buffer, a masked fill with a [s, s] mask, a
@@ -284,6 +286,9 @@ def sdpa_attention_class():
     the causal one by position and ``attention_mask`` is not read (pass None)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is invalid; valid choices: {list(ATTENTION)}")
     from megatron.core.transformer.utils import is_layer_window_attention
 
     class SdpaDotProductAttention(DotProductAttention):
@@ -304,7 +309,7 @@ def sdpa_attention_class():
             [t, groups, d]) -> [s, b, heads * d] (THD: [t, heads * d])."""
             if attention_bias is not None:
                 raise ValueError("megarl's SDPA attention takes no attention bias")
-            attend = functools.partial(_sdpa, scale=self.softmax_scale, left=self.left,
+            attend = functools.partial(ATTENTION[attention], scale=self.softmax_scale, left=self.left,
                                        gqa=query.shape[-2] != key.shape[-2])
             if packed_seq_params is None:
                 # [s, b, n, d] -> [b, n, s, d] (views), and back to [s, b, n * d]
@@ -322,6 +327,24 @@ def _sdpa(q, k, v, scale: float, left: int | None, gqa: bool) -> torch.Tensor:
     s = q.shape[-2]
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(-left)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _eager(q, k, v, scale: float, left: int | None, gqa: bool) -> torch.Tensor:
+    """The engine's attention math over [b, n, s, d] (``megarl.models.llama.grouped_attention``:
+    q kᵀ and P V in the model dtype, the softmax in fp32, rounded once): causal, and within
+    ``left`` keys to the left in a sliding layer. A row's bits do not depend on the other rows or
+    on the padding after it (the engine's batch invariance), so in bf16 a token's logprob is the
+    engine's bit for bit. The [b, n, s, s] scores and probabilities are materialised: memory
+    quadratic in the sequence length."""
+    s = q.shape[-2]
+    visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if left is not None:
+        visible = visible.triu(-left)
+    return grouped_attention(q.transpose(1, 2), k, v, ~visible[None], scale=scale).transpose(1, 2)
+
+
+# ``trainer.attention`` -> the core attention's function over [b, n, s, d]
+ATTENTION = {"sdpa": _sdpa, "eager": _eager}
 
 
 def _packed_attention(attend, query, key, value, packed_seq_params) -> torch.Tensor:

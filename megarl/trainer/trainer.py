@@ -78,6 +78,12 @@ class TrainerConfig:
     for the backward; ``selective`` recomputes each layer's core attention and MLP in the
     backward; ``full`` recomputes each whole layer from its input (least memory, one more forward
     of the layers). The same gradients, up to rounding."""
+    attention: str = "sdpa"
+    """The core attention's math: ``sdpa`` (torch's fused scaled-dot-product attention, memory
+    linear in the sequence length) or ``eager`` (the CPU engine's own math, HF's eager attention:
+    in bf16 the trainer's logprobs then equal the engine's bit for bit, so ``logprob_diff_max`` is
+    0 instead of two independent bf16 roundings, docs/design.md §1.3; memory quadratic in the
+    sequence length, not in ``megarl plan``'s estimate). fp32 and fp64 runs gain nothing from it."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1): the master weights and Adam moments are sharded
     over the data-parallel ranks (each holds 1/DP of them), gradients are reduce-scattered and
@@ -100,6 +106,8 @@ class TrainerConfig:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"trainer.recompute={self.recompute!r} is invalid; valid choices: "
                              f"['none', 'selective', 'full']")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"trainer.attention={self.attention!r} is invalid; valid choices: ['sdpa', 'eager']")
         if self.distributed_optimizer and self.dtype == "float64":
             raise ValueError("trainer.distributed_optimizer=true needs trainer.dtype float32 or bfloat16 (Megatron's "
                              "distributed optimizer takes no fp64 parameters); got trainer.dtype=float64")
@@ -171,7 +179,8 @@ class Trainer(TrainerState):
         only for the first chunk)."""
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         args, dims, cfg = self.args, self.dims, self.cfg
-        model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute)
+        model = build_gpt_model(args, dims, self.dtype, seed=seed, chunk=chunk, recompute=cfg.recompute,
+                                attention=cfg.attention)
         if hf_dir is not None:
             load_state(model, read_hf_piece(hf_dir, args, dims.tp, dims.stages, dims.tp_rank, dims.stage(chunk),
                                             ep=dims.ep, ep_rank=dims.ep_rank))

@@ -4,7 +4,7 @@ rounding, resumes bitwise, and syncs bf16 weights into the engine."""
 import pytest
 import torch
 
-from megarl.engine import Engine, EngineConfig
+from megarl.engine import Engine, EngineConfig, Request, SamplingParams
 from megarl.models.init_weights import init_hf_state
 from megarl.models.llama import CausalLM
 from megarl.parallel.checksum import tensor_checksum
@@ -101,10 +101,53 @@ def test_bf16_weight_sync_sends_bf16(dims, make_args):
     assert info["weight_sync_bytes"] == sum(t.numel() * 2 for t in hf.values())
 
 
+def _sampled(engine, vocab, n=6):
+    """n responses of the bf16 engine at T=1 (prompts of 2-9 tokens, up to 30 new): token ids
+    [n, T] right padded, the response mask [n, T-1] and the engine's logprobs there."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, vocab, (2 + 7 * i // (n - 1),), generator=g).tolist() for i in range(n)]
+    outs = engine.generate([Request(i, 0, p, SamplingParams(temperature=1.0, max_new_tokens=30))
+                            for i, p in enumerate(prompts)], step=1)
+    width = max(len(p) + len(o.tokens) for p, o in zip(prompts, outs))
+    ids, mask, lp = torch.zeros(n, width, dtype=torch.long), torch.zeros(n, width - 1), torch.zeros(n, width - 1)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        ids[i, :len(p) + len(o.tokens)] = torch.tensor(p + list(o.tokens))
+        mask[i, len(p) - 1:len(p) + len(o.tokens) - 1] = 1
+        lp[i, len(p) - 1:len(p) + len(o.tokens) - 1] = torch.tensor(o.logprobs)
+    return ids, mask, lp
+
+
+@pytest.mark.parametrize("arch", [dict(model_type="qwen2"), dict(model_type="llama", tie=True),
+                                  dict(model_type="qwen2", sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention"])])
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_eager_trainer_scores_the_engines_logprobs_bitwise(dims, make_args, arch, packed):
+    """With ``trainer.attention: eager`` the bf16 trainer computes what the bf16 engine sampled
+    with, bit for bit (same norm, linears, attention math): the on-policy gap is 0, also with
+    packed micro-batches and sliding windows. torch's SDPA rounds elsewhere: there it is not."""
+    args = make_args(**arch)
+    engine = Engine(CausalLM(args), EngineConfig(max_batch_size=6, max_seq_len=48, dtype="bfloat16"), seed=0)
+    g = torch.Generator().manual_seed(1)
+    hf = {k: (v * (1 + torch.randn(v.shape, generator=g) / 4).to(v.dtype)) if "norm" in k else v  # not 1:
+          for k, v in start(args).items()}  # a norm weight of 1 would hide a second rounding
+    gaps = {}
+    for attention in ("eager", "sdpa"):
+        cfg = TrainerConfig(micro_batch_size=4, micro_batch_tokens=40 if packed else 0, dtype="bfloat16",
+                            attention=attention)
+        trainer = Trainer(args, cfg, dims, hf_state=hf)
+        WeightSync(trainer, engine)()
+        ids, mask, engine_lp = _sampled(engine, args.vocab_size)
+        gaps[attention] = (trainer.masked_logprobs(ids, mask) - engine_lp)[mask.bool()].abs().max()
+    assert gaps["eager"] == 0, gaps
+    assert gaps["sdpa"] > 0, gaps
+
+
 def test_bf16_is_a_valid_dtype():
     assert TrainerConfig(dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16"):
         TrainerConfig(dtype="float16")
+    with pytest.raises(ValueError, match="trainer.attention='flash'.*'sdpa', 'eager'"):
+        TrainerConfig(attention="flash")
 
 
 @pytest.mark.parametrize("sharded", [False, True])
