@@ -28,6 +28,13 @@ drops the MLP's ``5 ffn / t`` and the core attention's own copies; ``full`` keep
 input (``a h``) and recomputes one layer at a time in the backward (one layer's ``none`` bytes on
 top, while it runs).
 
+``trainer.attention: eager`` (the engine's attention math) materialises each query's probabilities
+over its row's keys: it keeps the fp32 softmax output and, below fp32, its copy in the dtype that
+P V reads, ``(4 + a) heads L / t`` per layer and token of rows padded to ``L`` tokens (quadratic
+in the length: the SDPA terms' constant bytes are negligible beside it; measured on the test
+model at L = 48 and 96, the formula is 120-260 bytes per token above what autograd keeps).
+Recompute drops it with the core attention, and holds one layer's while that layer recomputes.
+
 The output layer runs on the scored (response) positions only and the vocab-parallel log-softmax
 keeps ``exp(logits - max)`` in fp32: ``4 V / t`` per scored token, plus the layer's input.
 """
@@ -64,6 +71,14 @@ def layer_bytes_per_token(args: ModelArgs, tp: int, dtype: str, recompute: str =
     if recompute == "selective":
         return norms + linear_inputs + rope_and_qkv
     return norms + linear_inputs + rope_and_qkv + core_attention + mlp
+
+
+def eager_attention_bytes_per_token(args: ModelArgs, tp: int, dtype: str, length: int) -> float:
+    """What ``trainer.attention: eager`` keeps beyond SDPA per layer and token, rows of ``length``
+    tokens: the softmax output (at least fp32) and its cast to a narrower dtype, per head and key."""
+    a = DTYPE_BYTES[dtype]
+    sm = max(a, 4)
+    return (sm + (a if a < sm else 0)) * args.num_attention_heads / tp * length
 
 
 def _mlp_bytes(args: ModelArgs, tp: int, a: int) -> float:

@@ -22,8 +22,8 @@ def spec_from_run(cfg, args: ModelArgs, gpus: int, seq_len: int, device: str, re
         args=args, gpus=gpus, placement=p.placement, rollout_ranks=p.rollout_ranks, tp=p.trainer_tp,
         pp=p.trainer_pp, vpp=p.trainer_vpp, ep=p.trainer_ep, rollout_tp=p.rollout_tp,
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)), trainer_dtype=t.dtype,
-        distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, micro_batch_size=t.micro_batch_size,
-        micro_batch_tokens=t.micro_batch_tokens, seq_len=seq_len, response_len=min(r.max_new_tokens, seq_len),
+        distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, attention=t.attention,
+        micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens, seq_len=seq_len, response_len=min(r.max_new_tokens, seq_len),
         rows_per_dp_rank=math.ceil(r.prompts_per_step * r.group_size / dp), kl_reference=cfg.grpo.kl_coef > 0,
         rollout_dtype=r.dtype, max_batch_size=r.max_batch_size, kv_cache=r.kv_cache,
         spec_tokens=max(sp.k_max, sp.drafter.k if drafter else 0) if sp.enabled else 0, drafter=drafter,
@@ -41,6 +41,8 @@ def _candidates(s: PlanSpec) -> list[tuple[str, PlanSpec]]:
     in speed first: sharding the optimizer costs no compute, recompute one more forward, model
     parallelism communication."""
     a, out = s.args, []
+    if s.attention == "eager":  # SDPA: the same step without the [L, L] probabilities
+        out.append(("trainer.attention=sdpa", s.replace(attention="sdpa")))
     if not s.distributed_optimizer and s.dp > 1 and s.trainer_dtype != "float64":
         out.append(("trainer.distributed_optimizer=true", s.replace(distributed_optimizer=True)))
     for rc in ("selective", "full"):

@@ -51,6 +51,8 @@ class PlanSpec:
     trainer_dtype: str = "bfloat16"
     distributed_optimizer: bool = False
     recompute: str = "none"
+    attention: str = "sdpa"
+    """``trainer.attention``: ``eager`` keeps [heads, L, L] probabilities per row and layer."""
     micro_batch_size: int = 4
     micro_batch_tokens: int = 0
     seq_len: int = 2048
@@ -173,12 +175,16 @@ def _activation_term(s: PlanSpec, stage_params: int, per_token: dict[str, float]
     args = s.args
     tokens, scored = micro_batch_tokens(s)
     layers = args.num_hidden_layers // s.pp
+    eager = act.eager_attention_bytes_per_token(args, s.tp, s.trainer_dtype, s.seq_len) if s.attention == "eager" else 0
     kept = act.layer_bytes_per_token(args, s.tp, s.trainer_dtype, s.recompute, s.sequence_parallel)
+    kept += eager if s.recompute == "none" else 0
     per_token["per micro-batch token"] = kept * layers * in_flight(s)
     per_token["per scored token"] = act.head_bytes_per_scored_token(args, s.tp, s.trainer_dtype)
     total = per_token["per micro-batch token"] * tokens + per_token["per scored token"] * scored
     if s.recompute == "full":  # one layer recomputed whole while its backward runs
-        total += act.layer_bytes_per_token(args, s.tp, s.trainer_dtype, "none", s.sequence_parallel) * tokens
+        total += (act.layer_bytes_per_token(args, s.tp, s.trainer_dtype, "none", s.sequence_parallel) + eager) * tokens
+    elif s.recompute == "selective":  # one layer's core attention recomputed while its backward runs
+        total += eager * tokens
     # the output layer's weight gradient, made whole in the dtype before it is added to the fp32 main grad
     vocab_grad = act.DTYPE_BYTES[s.trainer_dtype] * padded_vocab(args.vocab_size, s.tp) // s.tp * args.hidden_size
     total += act.head_transient_per_scored_token(args, s.tp, s.trainer_dtype) * scored + vocab_grad
@@ -187,7 +193,8 @@ def _activation_term(s: PlanSpec, stage_params: int, per_token: dict[str, float]
     shard = stage_params / s.dp if s.distributed_optimizer else stage_params
     opt_tmp = 4 * shard if s.device == "cuda" else 0
     note = (f"{tokens} tokens x {per_token['per micro-batch token'] / 1024:.1f} KiB + {scored} scored x "
-            f"{per_token['per scored token'] / 1024:.1f} KiB; recompute={s.recompute}")
+            f"{per_token['per scored token'] / 1024:.1f} KiB; recompute={s.recompute}"
+            + (", eager attention" if s.attention == "eager" else ""))
     if opt_tmp > total:
         return Term("activations / step temporaries", opt_tmp, "the optimizer step's fp32 temporaries")
     return Term("activations (peak micro-batch)", total, note)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.models.config import ModelArgs
-from megarl.plan.activations import head_bytes_per_scored_token, layer_bytes_per_token
+from megarl.plan.activations import eager_attention_bytes_per_token, head_bytes_per_scored_token, layer_bytes_per_token
 from megarl.trainer.trainer import Trainer, TrainerConfig
 
 from .test_recompute import saved_activation_bytes
@@ -42,3 +42,22 @@ def test_plan_activation_bytes_are_the_saved_tensors(dims, dtype, recompute):
     # the fp32 log-softmax copy over the vocabulary and the output layer's input, plus the few
     # per-position scalars of the loss (max, sum, target index, mask: under 40 bytes)
     assert 0 <= per_scored - head_bytes_per_scored_token(_args(2), 1, dtype) < 40
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_plan_counts_the_eager_attentions_probabilities(dims, dtype, recompute):
+    """``trainer.attention: eager`` keeps [heads, L, L] probabilities per row and layer (none of
+    them with recompute): the plan's term is at most 300 bytes per token above what autograd keeps."""
+    kept = {}
+    for layers in (2, 4):
+        cfg = TrainerConfig(micro_batch_size=ROWS, dtype=dtype, recompute=recompute, attention="eager")
+        kept[layers] = saved_activation_bytes(Trainer(_args(layers), cfg, dims, seed=1), _batch(8))
+    per_layer = (kept[4] - kept[2]) / 2 / (ROWS * WIDTH)
+    planned = layer_bytes_per_token(_args(2), 1, dtype, recompute)
+    if recompute == "none":
+        planned += eager_attention_bytes_per_token(_args(2), 1, dtype, WIDTH)
+        # SDPA's count would be short by more than 2 bytes per head and key
+        assert per_layer > layer_bytes_per_token(_args(2), 1, dtype, recompute) + 2 * 4 * WIDTH
+    # (selective: Megatron's checkpoint keeps a 1-element RNG-state tensor per layer)
+    assert -0.1 <= planned - per_layer < 300, (planned, per_layer)
