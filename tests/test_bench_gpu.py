@@ -107,6 +107,9 @@ def test_rows_report_and_at_most_8_files(dry):
     _, grpo = read_rows(out / "grpo_spec.jsonl")
     assert grpo["comparison"]["steps_compared"] == 2 and "spec.enabled=true" in grpo["overrides"]
     assert grpo["nondeterministic_ops"] == [] and "peak_gib" in grpo  # (None on a CPU)
+    # the on-policy check of every step (bf16 engine vs trainer on a GPU) comes back
+    assert all(isinstance(st.get("logprob_diff_max"), float) for st in grpo["steps"])
+    assert "| logprob_diff_max |" in report
     test_rows, tests = read_rows(out / "pytest.jsonl")
     assert [r["row"] for r in test_rows] == [f"file {f}" for f in tests["files"]]
     assert all("peak_gib" in r for r in test_rows)  # (None on a CPU: the file's pytest never used CUDA)

@@ -170,7 +170,7 @@ def _grpo_section(name: str, g: dict) -> list[str]:
             f"{_fmt(s['train_time_s_median'])} s, weight sync {_fmt(s['weight_sync_s_median'])} s "
             f"({_fmt(s['weight_sync_gbps_median'])} GB/s), bubble work {_fmt(s['bubble_time_s_median'])} s", "",
             "| step | step s | " + " | ".join(f"{p} s" for p in ("generate", "reward", "bubble", "train", "sync"))
-            + " | rollout tokens | sync GB/s | reward | forward reduction |", "|" + "---|" * 11]
+            + " | rollout tokens | sync GB/s | reward | forward reduction | logprob_diff_max |", "|" + "---|" * 12]
     moved = sum(1 for st in g["steps"] if (st.get("grad_norm") or 0) > 0)
     if g.get("nondeterministic_ops"):
         rows.insert(3, f"**not bitwise repeatable**: ops without a deterministic CUDA kernel ran (warned instead "
@@ -186,7 +186,7 @@ def _grpo_section(name: str, g: dict) -> list[str]:
         rows.append(f"| {st['step']} | {_fmt(st.get('step_time_s'))} | " + " | ".join(
             _fmt(ph.get(p)) for p in ("generate", "reward", "bubble", "train", "sync"))
             + f" | {st.get('rollout_tokens')} | {_fmt(st.get('weight_sync_gbps'))} | {_fmt(st.get('reward_mean'))} | "
-              f"{_fmt(st.get('forward_reduction'))} |")
+              f"{_fmt(st.get('forward_reduction'))} | {_fmt(st.get('logprob_diff_max'))} |")
     return rows + [""]
 
 

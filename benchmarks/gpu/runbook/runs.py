@@ -213,7 +213,8 @@ GRPO_DRY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hid
 SPEC = ["spec.enabled=true", "spec.bubble_pregen=true"]
 STEP_KEYS = ("grad_norm", "step_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "weight_sync_gbps", "weight_sync_bytes",
              "bubble_time_s", "rollout_tokens", "target_forwards", "forward_reduction", "reward_mean",
-             "response_len_mean", "weight_checksum", "spec/accept_len_mean", "spec/bubble/coupled_accept_rate")
+             "response_len_mean", "weight_checksum", "spec/accept_len_mean", "spec/bubble/coupled_accept_rate",
+             "logprob_diff_max")
 
 
 def _jsonl(path: Path) -> list[dict]:
