@@ -38,9 +38,10 @@
 
 #if defined(__x86_64__)
 // GCC 12's AVX-512 header builds some intrinsics from _mm512_undefined_*(), which it then reports as
-// maybe uninitialized (a false positive in the header, not in this file).
+// (maybe) uninitialized (a false positive in the header, not in this file).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 #endif
@@ -181,10 +182,8 @@ int64_t row_argmax(const T* s, int64_t v, uint32_t h, T hi) {
 // The same row, 16 tokens per AVX-512 register (chosen at run time, see has_avx512). Every float
 // operation is the scalar path's, in the same order, as a separate _mm512_{add,sub,mul,div}_ps
 // (correctly rounded per lane, like the scalar op; no fmadd anywhere, and -ffp-contract=off keeps
-// the compiler from fusing them); the hash is the same 32-bit integer arithmetic per lane. The
-// argmax does not depend on the order in which tokens are scored (the best score only rises, and
-// it is always a real score, so no token that reaches the row's maximum is ever pruned; ties are
-// settled by id explicitly), which lets candidates be batched 16 at a time out of order.
+// the compiler from fusing them); the hash is the same 32-bit integer arithmetic per lane. Ties
+// are settled by id explicitly, so the lanes' scores can be compared as a block.
 #define KG_AVX512 __attribute__((target("avx512f")))
 
 KG_AVX512 inline __m512i set1u(uint32_t x) { return _mm512_set1_epi32(static_cast<int32_t>(x)); }
@@ -236,6 +235,43 @@ KG_AVX512 inline __m512 gumbel16(__m512i idx) {
   return neg16(det_log16(neg16(det_log16(u))));
 }
 
+// A bound on the noise of a hash prefix idx that costs no logarithm. The noise grows as u nears
+// 1, i.e. as d = 2**23 - 1 - idx shrinks; bucket(idx) is d's bit length (0 for d = 0, k for d in
+// [2**(k-1), 2**k), read off the exponent of float(d), exact below 2**24), and the bound of bucket
+// k is the largest noise of all idx in it, taken over every value once. Each bucket spans ~ln 2 of
+// noise, so a token whose score plus its bucket's bound stays below the best score cannot win
+// (the same monotone-rounding argument as for hi) and skips both logarithms; on flat rows that
+// is nearly every token.
+KG_AVX512 inline __m512i bucket16(__m512i idx) {
+  const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(set1u(0x7FFFFFu), idx));
+  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(d), 23);  // 0 for d = 0, else 127 + log2(d)
+  return _mm512_max_epi32(_mm512_sub_epi32(e, set1u(126u)), _mm512_setzero_si512());
+}
+
+struct NoiseBound {
+  __m512 lo, hi;  // the bounds of buckets 0..15 and 16..31 (24..31 do not occur)
+};
+
+KG_AVX512 NoiseBound make_noise_bound() {
+  alignas(64) float bound[32], g[16];
+  alignas(64) int32_t b[16];
+  std::fill(bound, bound + 32, -INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int32_t i = 0; i < (1 << 23); i += 16) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(i), lane);
+    _mm512_store_ps(g, gumbel16(idx));
+    _mm512_store_si512(b, bucket16(idx));
+    for (int l = 0; l < 16; ++l) bound[b[l]] = std::max(bound[b[l]], g[l]);
+  }
+  return {_mm512_load_ps(bound), _mm512_load_ps(bound + 16)};
+}
+
+// The bound of bucket(idx) per lane (the table is made on first use: ~10-20 ms, once per process).
+KG_AVX512 inline __m512 noise_bound16(__m512i idx) {
+  static const NoiseBound nb = make_noise_bound();
+  return _mm512_permutex2var_ps(nb.lo, bucket16(idx), nb.hi);
+}
+
 // 16 scores of dtype T (one register of float, two of double) and the comparisons the row needs;
 // lanes outside the mask m are -inf and never reported.
 template <typename T>
@@ -246,9 +282,6 @@ struct Pack16<float> {
   __m512 v;
   KG_AVX512 static Pack16 load(const float* p, __mmask16 m) {
     return {_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p)};
-  }
-  KG_AVX512 static Pack16 gather(const float* p, __m512i idx, __mmask16 m) {
-    return {_mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), m, idx, p, 4)};
   }
   KG_AVX512 Pack16 plus(float x) const { return {_mm512_add_ps(v, _mm512_set1_ps(x))}; }
   KG_AVX512 Pack16 plus(__m512 g) const { return {_mm512_add_ps(v, g)}; }
@@ -263,11 +296,6 @@ struct Pack16<double> {
   KG_AVX512 static Pack16 load(const double* p, __mmask16 m) {
     const __m512d ninf = _mm512_set1_pd(-INFINITY);
     return {_mm512_mask_loadu_pd(ninf, __mmask8(m), p), _mm512_mask_loadu_pd(ninf, __mmask8(m >> 8), p + 8)};
-  }
-  KG_AVX512 static Pack16 gather(const double* p, __m512i idx, __mmask16 m) {
-    const __m512d ninf = _mm512_set1_pd(-INFINITY);
-    return {_mm512_mask_i32gather_pd(ninf, __mmask8(m), _mm512_castsi512_si256(idx), p, 8),
-            _mm512_mask_i32gather_pd(ninf, __mmask8(m >> 8), _mm512_extracti64x4_epi64(idx, 1), p, 8)};
   }
   KG_AVX512 Pack16 plus(double x) const { return {_mm512_add_pd(lo, _mm512_set1_pd(x)), _mm512_add_pd(hi, _mm512_set1_pd(x))}; }
   KG_AVX512 Pack16 plus(__m512 g) const {  // g widened exactly, then added in double
@@ -310,8 +338,11 @@ KG_AVX512 bool probe_avx512(const T* s, int64_t v, int64_t* top, int& n_top) {
 // Scores the 16 tokens ids (lanes m) whose scores are x, and keeps the best (lowest id on ties).
 template <typename T>
 KG_AVX512 inline void score16(const Pack16<T>& x, __m512i ids, __mmask16 m, __m512i h, T& best, int64_t& arg) {
-  const Pack16<T> sc = x.plus(gumbel16(_mm512_srli_epi32(finish16(h, ids), 9)));
-  const __mmask16 ge = sc.template cmp<_CMP_GE_OQ>(best, m);
+  const __m512i idx = _mm512_srli_epi32(finish16(h, ids), 9);
+  const __mmask16 live = x.plus(noise_bound16(idx)).template cmp<_CMP_GE_OQ>(best, m);
+  if (!live) return;  // no lane can reach the best score, whatever its exact noise
+  const Pack16<T> sc = x.plus(gumbel16(idx));
+  const __mmask16 ge = sc.template cmp<_CMP_GE_OQ>(best, live);
   if (!ge) return;
   const T top = sc.max(ge);
   const __mmask16 eq = sc.template cmp<_CMP_EQ_OQ>(top, ge);
@@ -321,8 +352,9 @@ KG_AVX512 inline void score16(const Pack16<T>& x, __m512i ids, __mmask16 m, __m5
   if (top > best || j < arg) best = top, arg = j;
 }
 
-// row_argmax, vectorised (v < 2**31: token ids are int32 lanes). Candidates of partly pruned
-// chunks are compressed into a queue and scored 16 at a time.
+// row_argmax, vectorised (v < 2**31: token ids are int32 lanes): each chunk of 16 tokens with a
+// candidate is hashed as a whole, and its logarithms are taken only if a lane passes the bucket
+// bound (see noise_bound16).
 template <typename T>
 KG_AVX512 int64_t row_argmax_avx512(const T* s, int64_t v, uint32_t h, T hi) {
   int64_t top[kProbe];
@@ -331,31 +363,11 @@ KG_AVX512 int64_t row_argmax_avx512(const T* s, int64_t v, uint32_t h, T hi) {
   int64_t arg;
   T best = probe_best(s, top, n_top, h, arg);
   const __m512i hv = set1u(h), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  alignas(64) int32_t queue[32];
-  int nq = 0;
   for (int64_t j = 0; j < v; j += 16) {
     const __mmask16 valid = first_lanes(v - j);
     const Pack16<T> x = Pack16<T>::load(s + j, valid);
     const __mmask16 cand = x.plus(hi).template cmp<_CMP_GE_OQ>(best, valid);
-    const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j)), lane);
-    if (cand == 0xFFFF) {
-      score16(x, ids, cand, hv, best, arg);
-    } else if (cand) {
-      // register compress then a plain store (a compress straight to memory is slow on some CPUs)
-      _mm512_storeu_si512(queue + nq, _mm512_maskz_compress_epi32(cand, ids));
-      nq += __builtin_popcount(cand);
-      if (nq >= 16) {
-        const __m512i q = _mm512_load_si512(queue);
-        score16(Pack16<T>::gather(s, q, 0xFFFF), q, 0xFFFF, hv, best, arg);
-        _mm512_store_si512(queue, _mm512_load_si512(queue + 16));
-        nq -= 16;
-      }
-    }
-  }
-  if (nq) {
-    const __mmask16 m = first_lanes(nq);
-    const __m512i q = _mm512_maskz_loadu_epi32(m, queue);
-    score16(Pack16<T>::gather(s, q, m), q, m, hv, best, arg);
+    if (cand) score16(x, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j)), lane), cand, hv, best, arg);
   }
   return arg;
 }
@@ -368,10 +380,12 @@ bool has_avx512() {
   return yes;
 }
 
-KG_AVX512 void gumbel_values_avx512(const int32_t* idx, float* out, int64_t n) {
+// gumbel16 (bound = false) or noise_bound16 (bound = true) of idx[0..n).
+KG_AVX512 void gumbel_values_avx512(const int32_t* idx, float* out, int64_t n, bool bound) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = first_lanes(n - i);
-    _mm512_mask_storeu_ps(out + i, m, gumbel16(_mm512_maskz_loadu_epi32(m, idx + i)));
+    const __m512i x = _mm512_maskz_loadu_epi32(m, idx + i);
+    _mm512_mask_storeu_ps(out + i, m, bound ? noise_bound16(x) : gumbel16(x));
   }
 }
 #else
@@ -420,24 +434,40 @@ py::array_t<int64_t> keyed_argmax(py::array_t<T, py::array::c_style> scores, uin
   return out;
 }
 
-py::array_t<float> gumbel_values(py::array_t<int64_t, py::array::c_style> idx, bool vector) {
-  const py::ssize_t n = idx.size();
-  py::array_t<float> out(n);
+std::vector<int32_t> hash_prefixes(const py::array_t<int64_t, py::array::c_style>& idx) {
+  std::vector<int32_t> narrow(idx.size());
   const int64_t* in = idx.data();
-  float* o = out.mutable_data();
-  std::vector<int32_t> narrow(n);
-  for (py::ssize_t i = 0; i < n; ++i) {
-    if (in[i] < 0 || in[i] >= (int64_t(1) << 23)) throw std::invalid_argument("gumbel_values: idx must be in [0, 2**23)");
+  for (size_t i = 0; i < narrow.size(); ++i) {
+    if (in[i] < 0 || in[i] >= (int64_t(1) << 23)) throw std::invalid_argument("idx must be in [0, 2**23)");
     narrow[i] = static_cast<int32_t>(in[i]);
   }
+  return narrow;
+}
+
+py::array_t<float> gumbel_values(py::array_t<int64_t, py::array::c_style> idx, bool vector) {
+  const std::vector<int32_t> narrow = hash_prefixes(idx);
+  py::array_t<float> out(idx.size());
+  float* o = out.mutable_data();
 #if defined(__x86_64__)
   if (vector && has_avx512()) {
-    gumbel_values_avx512(narrow.data(), o, n);
+    gumbel_values_avx512(narrow.data(), o, idx.size(), false);
     return out;
   }
 #endif
-  for (py::ssize_t i = 0; i < n; ++i) o[i] = gumbel_of(static_cast<uint32_t>(narrow[i]));
+  for (size_t i = 0; i < narrow.size(); ++i) o[i] = gumbel_of(static_cast<uint32_t>(narrow[i]));
   return out;
+}
+
+py::array_t<float> gumbel_bounds(py::array_t<int64_t, py::array::c_style> idx) {
+  const std::vector<int32_t> narrow = hash_prefixes(idx);
+  py::array_t<float> out(idx.size());
+#if defined(__x86_64__)
+  if (has_avx512()) {
+    gumbel_values_avx512(narrow.data(), out.mutable_data(), idx.size(), true);
+    return out;
+  }
+#endif
+  throw std::runtime_error("gumbel_bounds: the bucket bound belongs to the AVX-512 path, which this CPU lacks");
 }
 
 }  // namespace
@@ -454,5 +484,7 @@ PYBIND11_MODULE(_keyed_gumbel, m) {
         py::arg("vector") = true, "The same for float64 scores (the float32 noise widened).");
   m.def("gumbel_values", &gumbel_values, py::arg("idx"), py::arg("vector") = true,
         "The noise of hashes whose top 23 bits are idx (float32), for the parity tests.");
+  m.def("gumbel_bounds", &gumbel_bounds, py::arg("idx"),
+        "The bound on the noise that the AVX-512 path prunes with, per hash prefix idx (for the tests).");
   m.attr("avx512") = has_avx512();  // whether vector=True runs the AVX-512 path on this CPU
 }

@@ -1,7 +1,8 @@
 """The C++ kernel's AVX-512 path (csrc/keyed_gumbel.cpp) picks the tokens of its scalar path and
 of the full-noise torch reference on rows built to stress it: exact ties (more of them than the
 probe holds), -inf (filtered) tokens, the largest finite and subnormal scores, +inf, NaN, and
-vocabulary sizes around multiples of 16 (the tail lanes)."""
+vocabulary sizes around multiples of 16 (the tail lanes); its noise and the bound it prunes with
+are checked on every value."""
 import numpy as np
 import pytest
 import torch
@@ -93,6 +94,24 @@ def test_a_row_with_nan_is_reported(vector, where):
     got = _kernel(rows, key, vector)
     assert got[2] == -1
     assert torch.equal(got[[0, 1, 3]], clean[[0, 1, 3]])
+
+
+def test_bucket_bound_holds_for_every_noise_value_and_is_tight():
+    """The AVX-512 path skips a token's logarithms when its score plus the bound of its hash's
+    bucket is below the best score: exact only if no noise value exceeds its bound. Checked on
+    all 2**23 values; and each bound is the largest noise of its bucket (not looser: on flat rows
+    the bound is what spares nearly every token its logarithms)."""
+    idx = np.arange(1 << 23, dtype=np.int64)
+    g, bound = native.gumbel_values(idx, vector=False), native.gumbel_bounds(idx)
+    assert (g <= bound).all()
+    bucket = np.zeros_like(idx)  # the bit length of d = 2**23 - 1 - idx
+    d = (1 << 23) - 1 - idx
+    nz = d > 0
+    bucket[nz] = np.floor(np.log2(d[nz])).astype(np.int64) + 1
+    top = np.full(24, -np.inf, dtype=np.float32)
+    np.maximum.at(top, bucket, g)
+    assert np.array_equal(bound, top[bucket])
+    assert np.all(np.diff(top) < 0)  # buckets nearer u = 1 (smaller d) hold larger noise
 
 
 def test_vector_noise_equals_scalar_on_every_value():
