@@ -22,7 +22,8 @@
 // - Pruning: fl(s_v + g_v) <= fl(s_v + hi) for every noise value (hi bounds them all; rounding is
 //   monotone). The row's 16 highest scores are scored first (sampler.PROBE); a token whose
 //   fl(s_v + hi) is below the best score so far scores strictly below the final maximum and is
-//   skipped without hashing.
+//   skipped without hashing; one whose fl(s_v + b) is, with b the bound of its hash's bucket
+//   (kNoiseBounds), is skipped after the hash, without the logarithms.
 // A row with NaN gives -1: the caller takes its torch path (torch's argmax semantics for NaN are
 // not repeated here).
 #include <pybind11/numpy.h>
@@ -113,6 +114,27 @@ inline float gumbel_of(uint32_t idx) {
   return -det_log_normal(-det_log_normal(u));
 }
 
+// A bound on the noise of a hash prefix idx that costs no logarithm. The noise grows with idx
+// (u nears 1 as d = 2**23 - 1 - idx shrinks; non-decreasing over all 2**23 values, which
+// tests/engine/test_keyed_gumbel.py checks). bucket(idx) is d's bit length (0 for d = 0, k for d
+// in [2**(k-1), 2**k)), and the bound of bucket k is the noise of its largest idx, i.e. the
+// largest noise in it. Each bucket spans ~ln 2 of noise, so a token whose score plus its bucket's
+// bound stays below the best score cannot win (the same monotone-rounding argument as for hi) and
+// skips both logarithms; on flat rows that is nearly every token.
+inline int bucket_of(uint32_t idx) {
+  const uint32_t d = 0x7FFFFFu - idx;
+  return d ? 32 - __builtin_clz(d) : 0;
+}
+
+struct NoiseBounds {
+  float by_bucket[32];  // buckets 24..31 do not occur (+inf)
+  NoiseBounds() {
+    for (int k = 0; k < 32; ++k)
+      by_bucket[k] = k > 23 ? INFINITY : gumbel_of(0x7FFFFFu - (k ? 1u << (k - 1) : 0u));
+  }
+};
+const NoiseBounds kNoiseBounds;
+
 // sampler._row_state: the murmur state after the 7 per-row key words (seed, step, uid, sample
 // index, position; seed already reduced to 64 bits, step to 32 by the caller).
 inline uint32_t row_state(uint64_t seed, uint32_t step, int64_t uid, int64_t sample_idx, int64_t position) {
@@ -171,7 +193,9 @@ int64_t row_argmax(const T* s, int64_t v, uint32_t h, T hi) {
   // again: same score, and the tie rule keeps the lowest id).
   for (int64_t j = 0; j < v; ++j) {
     if (!(s[j] + hi >= best)) continue;
-    const T sc = score_of(s, h, j);
+    const uint32_t idx = finish(h, static_cast<uint32_t>(j)) >> 9;
+    if (!(s[j] + static_cast<T>(kNoiseBounds.by_bucket[bucket_of(idx)]) >= best)) continue;
+    const T sc = s[j] + static_cast<T>(gumbel_of(idx));
     if (sc > best || (sc == best && j < arg)) best = sc, arg = j;
   }
   return arg;
@@ -235,41 +259,17 @@ KG_AVX512 inline __m512 gumbel16(__m512i idx) {
   return neg16(det_log16(neg16(det_log16(u))));
 }
 
-// A bound on the noise of a hash prefix idx that costs no logarithm. The noise grows as u nears
-// 1, i.e. as d = 2**23 - 1 - idx shrinks; bucket(idx) is d's bit length (0 for d = 0, k for d in
-// [2**(k-1), 2**k), read off the exponent of float(d), exact below 2**24), and the bound of bucket
-// k is the largest noise of all idx in it, taken over every value once. Each bucket spans ~ln 2 of
-// noise, so a token whose score plus its bucket's bound stays below the best score cannot win
-// (the same monotone-rounding argument as for hi) and skips both logarithms; on flat rows that
-// is nearly every token.
+// bucket_of() on 16 lanes, read off the exponent of float(d) (exact below 2**24).
 KG_AVX512 inline __m512i bucket16(__m512i idx) {
   const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(set1u(0x7FFFFFu), idx));
   const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(d), 23);  // 0 for d = 0, else 127 + log2(d)
   return _mm512_max_epi32(_mm512_sub_epi32(e, set1u(126u)), _mm512_setzero_si512());
 }
 
-struct NoiseBound {
-  __m512 lo, hi;  // the bounds of buckets 0..15 and 16..31 (24..31 do not occur)
-};
-
-KG_AVX512 NoiseBound make_noise_bound() {
-  alignas(64) float bound[32], g[16];
-  alignas(64) int32_t b[16];
-  std::fill(bound, bound + 32, -INFINITY);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int32_t i = 0; i < (1 << 23); i += 16) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(i), lane);
-    _mm512_store_ps(g, gumbel16(idx));
-    _mm512_store_si512(b, bucket16(idx));
-    for (int l = 0; l < 16; ++l) bound[b[l]] = std::max(bound[b[l]], g[l]);
-  }
-  return {_mm512_load_ps(bound), _mm512_load_ps(bound + 16)};
-}
-
-// The bound of bucket(idx) per lane (the table is made on first use: ~10-20 ms, once per process).
+// The bound of bucket(idx) per lane (kNoiseBounds in two registers, one permute).
 KG_AVX512 inline __m512 noise_bound16(__m512i idx) {
-  static const NoiseBound nb = make_noise_bound();
-  return _mm512_permutex2var_ps(nb.lo, bucket16(idx), nb.hi);
+  const __m512 lo = _mm512_loadu_ps(kNoiseBounds.by_bucket), hi = _mm512_loadu_ps(kNoiseBounds.by_bucket + 16);
+  return _mm512_permutex2var_ps(lo, bucket16(idx), hi);
 }
 
 // 16 scores of dtype T (one register of float, two of double) and the comparisons the row needs;
@@ -354,7 +354,7 @@ KG_AVX512 inline void score16(const Pack16<T>& x, __m512i ids, __mmask16 m, __m5
 
 // row_argmax, vectorised (v < 2**31: token ids are int32 lanes): each chunk of 16 tokens with a
 // candidate is hashed as a whole, and its logarithms are taken only if a lane passes the bucket
-// bound (see noise_bound16).
+// bound (see kNoiseBounds).
 template <typename T>
 KG_AVX512 int64_t row_argmax_avx512(const T* s, int64_t v, uint32_t h, T hi) {
   int64_t top[kProbe];
@@ -458,16 +458,18 @@ py::array_t<float> gumbel_values(py::array_t<int64_t, py::array::c_style> idx, b
   return out;
 }
 
-py::array_t<float> gumbel_bounds(py::array_t<int64_t, py::array::c_style> idx) {
+py::array_t<float> gumbel_bounds(py::array_t<int64_t, py::array::c_style> idx, bool vector) {
   const std::vector<int32_t> narrow = hash_prefixes(idx);
   py::array_t<float> out(idx.size());
+  float* o = out.mutable_data();
 #if defined(__x86_64__)
-  if (has_avx512()) {
-    gumbel_values_avx512(narrow.data(), out.mutable_data(), idx.size(), true);
+  if (vector && has_avx512()) {
+    gumbel_values_avx512(narrow.data(), o, idx.size(), true);
     return out;
   }
 #endif
-  throw std::runtime_error("gumbel_bounds: the bucket bound belongs to the AVX-512 path, which this CPU lacks");
+  for (size_t i = 0; i < narrow.size(); ++i) o[i] = kNoiseBounds.by_bucket[bucket_of(static_cast<uint32_t>(narrow[i]))];
+  return out;
 }
 
 }  // namespace
@@ -484,7 +486,8 @@ PYBIND11_MODULE(_keyed_gumbel, m) {
         py::arg("vector") = true, "The same for float64 scores (the float32 noise widened).");
   m.def("gumbel_values", &gumbel_values, py::arg("idx"), py::arg("vector") = true,
         "The noise of hashes whose top 23 bits are idx (float32), for the parity tests.");
-  m.def("gumbel_bounds", &gumbel_bounds, py::arg("idx"),
-        "The bound on the noise that the AVX-512 path prunes with, per hash prefix idx (for the tests).");
+  m.def("gumbel_bounds", &gumbel_bounds, py::arg("idx"), py::arg("vector") = true,
+        "The bound on the noise that the kernel prunes with before the logarithms, per hash prefix idx "
+        "(for the tests).");
   m.attr("avx512") = has_avx512();  // whether vector=True runs the AVX-512 path on this CPU
 }

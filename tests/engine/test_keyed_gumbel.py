@@ -1,8 +1,8 @@
 """The C++ kernel's AVX-512 path (csrc/keyed_gumbel.cpp) picks the tokens of its scalar path and
 of the full-noise torch reference on rows built to stress it: exact ties (more of them than the
 probe holds), -inf (filtered) tokens, the largest finite and subnormal scores, +inf, NaN, and
-vocabulary sizes around multiples of 16 (the tail lanes); its noise and the bound it prunes with
-are checked on every value."""
+vocabulary sizes around multiples of 16 (the tail lanes); the noise, and the bound both paths
+prune with before taking logarithms, are checked on every value."""
 import numpy as np
 import pytest
 import torch
@@ -11,10 +11,9 @@ from megarl.engine import sampler
 from megarl.engine.sampler import gumbel_noise, sample
 
 native = sampler._native
-pytestmark = [
-    pytest.mark.skipif(native is None, reason=f"megarl._keyed_gumbel is not built: {sampler._NATIVE_ERROR}"),
-    pytest.mark.skipif(native is not None and not native.avx512, reason="this CPU has no AVX-512"),
-]
+pytestmark = pytest.mark.skipif(native is None, reason=f"megarl._keyed_gumbel is not built: {sampler._NATIVE_ERROR}")
+needs_avx512 = pytest.mark.skipif(native is not None and not native.avx512, reason="this CPU has no AVX-512")
+PATHS = [False, pytest.param(True, marks=needs_avx512)]  # the kernel's vector argument
 BIG = {torch.float32: 2.0 ** 30, torch.float64: 2.0 ** 60}  # s + g rounds back to s: exact score ties
 
 
@@ -58,6 +57,7 @@ def _keys(n: int, seed: int):
             torch.randint(0, 1 << 20, (n,), generator=g)]
 
 
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("v", [1, 2, 15, 16, 17, 31, 33, 1013, 4099])
 def test_vector_equals_scalar_and_torch_on_stress_rows(dtype, v):
@@ -70,6 +70,7 @@ def test_vector_equals_scalar_and_torch_on_stress_rows(dtype, v):
     assert torch.equal(_kernel(rows, key, vector=True, threads=2), want)
 
 
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_vector_equals_scalar_on_many_random_rows(dtype):
     """Flat to peaked rows (every token a candidate, or a few, so full and queued chunks both)."""
@@ -82,7 +83,7 @@ def test_vector_equals_scalar_on_many_random_rows(dtype):
     assert torch.equal(got, sample(rows, gumbel_noise(77, 5, *key, 3001, dtype), 1.0).tokens)
 
 
-@pytest.mark.parametrize("vector", [False, True])
+@pytest.mark.parametrize("vector", PATHS)
 @pytest.mark.parametrize("where", [0, 15, 16, 700, 1012])
 def test_a_row_with_nan_is_reported(vector, where):
     """A NaN anywhere (the probe's first 16 tokens, a full chunk, the tail lanes) gives -1, which
@@ -96,13 +97,17 @@ def test_a_row_with_nan_is_reported(vector, where):
     assert torch.equal(got[[0, 1, 3]], clean[[0, 1, 3]])
 
 
-def test_bucket_bound_holds_for_every_noise_value_and_is_tight():
-    """The AVX-512 path skips a token's logarithms when its score plus the bound of its hash's
-    bucket is below the best score: exact only if no noise value exceeds its bound. Checked on
-    all 2**23 values; and each bound is the largest noise of its bucket (not looser: on flat rows
-    the bound is what spares nearly every token its logarithms)."""
+@pytest.mark.parametrize("vector", PATHS)
+def test_bucket_bound_holds_for_every_noise_value_and_is_tight(vector):
+    """The kernel skips a token's logarithms when its score plus the bound of its hash's bucket is
+    below the best score: exact only if no noise value exceeds its bound. The table holds the
+    noise of each bucket's largest hash prefix, which is the bucket's largest noise only because
+    the noise never decreases as the prefix grows: both checked on all 2**23 values. Each bound is
+    also the largest noise of its bucket (not looser: on flat rows the bound is what spares nearly
+    every token its logarithms)."""
     idx = np.arange(1 << 23, dtype=np.int64)
-    g, bound = native.gumbel_values(idx, vector=False), native.gumbel_bounds(idx)
+    g, bound = native.gumbel_values(idx, vector=False), native.gumbel_bounds(idx, vector=vector)
+    assert np.all(np.diff(g) >= 0)
     assert (g <= bound).all()
     bucket = np.zeros_like(idx)  # the bit length of d = 2**23 - 1 - idx
     d = (1 << 23) - 1 - idx
@@ -114,6 +119,7 @@ def test_bucket_bound_holds_for_every_noise_value_and_is_tight():
     assert np.all(np.diff(top) < 0)  # buckets nearer u = 1 (smaller d) hold larger noise
 
 
+@needs_avx512
 def test_vector_noise_equals_scalar_on_every_value():
     idx = np.arange(1 << 23, dtype=np.int64)
     assert np.array_equal(native.gumbel_values(idx, vector=True).view(np.int32),
