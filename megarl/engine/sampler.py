@@ -67,6 +67,9 @@ except ImportError as e:  # not built (no compiler / no pybind11) or built for a
 USE_NATIVE = True
 """Whether ``sample_keyed`` uses the C++ kernel on CPU when it is built (tests turn it off to
 compare with the torch path; both give the same tokens)."""
+NATIVE_VECTOR = True
+"""Whether the C++ kernel takes its AVX-512 path where the CPU has it (``_native.avx512``); tests
+turn it off to run its scalar path too. All paths give the same tokens."""
 _warned = False
 log = logging.getLogger(__name__)
 
@@ -222,10 +225,13 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tens
     Each parameter is a scalar or a tensor [N] (one value per row). T=0 rows are scaled by 1
     (the caller takes their argmax anyway). Top-k is applied first, then top-p on the
     renormalised top-k distribution (the HF / vLLM order), with the exact integer criterion of
-    the module docstring. Ties rank by token id (a stable sort): the kept set is deterministic."""
+    the module docstring. Ties rank by token id (a stable sort): the kept set is deterministic.
+    With every T = 1 and no filter on, the result is ``logits`` itself, not a copy."""
     n, vocab = logits.shape
     dev = logits.device
-    scaled = logits / _effective_temperature(temperature, n, logits.dtype, dev)
+    t = _effective_temperature(temperature, n, logits.dtype, dev)
+    # x / 1 is x exactly: at T = 1 (the RL default) skip a pass over [N, V]
+    scaled = logits if bool((t == 1).all()) else logits / t
     k = _as_col(top_k, n, torch.int64, dev)
     p = _as_col(top_p, n, torch.float64, dev)
     k_on, p_on = k > 0, p < 1.0
@@ -283,7 +289,7 @@ def _native_ok(s: torch.Tensor) -> bool:
     return True
 
 
-def _pruned_argmax(s: torch.Tensor, m: torch.Tensor, hi: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def _pruned_argmax(s: torch.Tensor, hi: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The torch path of ``sample_keyed`` after filtering: exact scores of the candidates only."""
     v = s.shape[1]
     dev, dtype = s.device, s.dtype
@@ -291,7 +297,7 @@ def _pruned_argmax(s: torch.Tensor, m: torch.Tensor, hi: torch.Tensor, state: to
     # the winner, so only tokens with fl(s_v + hi) >= best can win (see sample_keyed).
     top = s.topk(min(PROBE, v), dim=-1).indices
     best = (s.gather(1, top) + _gumbel(_finish(state[:, None], top), dtype)).max(dim=-1, keepdim=True).values
-    cand = ((s + hi) >= best) | torch.isnan(m)
+    cand = ((s + hi) >= best) | torch.isnan(s.max(dim=-1, keepdim=True).values)  # NaN rows: every token
     if int(torch.count_nonzero(cand)) * 4 > cand.numel():
         # Flat rows (e.g. random weights): most tokens are candidates, and hashing the dense
         # [N, V] block is cheaper than gathering and scattering the candidates' indices.
@@ -324,8 +330,8 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
     logits at T=1: ~10k candidates of 49k per row with the m + lo bound, ~2.8k with b.) A row
     whose max is NaN (NaN logits) keeps every token, so NaN rows pick what the full computation
     picks too. On CPU the C++ kernel ``megarl._keyed_gumbel`` does the same in one pass per row
-    (scoring the PROBE highest first, then tightening the bound as it goes); calls with a NaN row
-    take the torch path."""
+    (scoring the PROBE highest first, then tightening the bound as it goes; with AVX-512, 16
+    tokens per instruction, the same float32 ops); calls with a NaN row take the torch path."""
     n = logits.shape[0]
     dev, dtype = logits.device, logits.dtype
     t = _as_col(temperature, n, dtype, dev)[:, 0]
@@ -340,15 +346,18 @@ def sample_keyed(logits: torch.Tensor, temperature, top_k, top_p, seed: int, ste
     if rows is not None:
         logits, key = logits[rows], [x[rows] for x in key]
     s = filter_logits(logits, pick(temperature, dtype), pick(top_k, torch.int64), pick(top_p, torch.float64))
-    m = s.max(dim=-1, keepdim=True).values
     hi = torch.tensor(NOISE_HI, dtype=dtype, device=dev)
-    if _native_ok(s) and not bool(torch.isnan(m).any()):
+    picked = None
+    if _native_ok(s):
         # one fused pass per row: key, noise, pruning and argmax (same bits; csrc/keyed_gumbel.cpp)
         fn = _native.keyed_argmax_f32 if dtype == torch.float32 else _native.keyed_argmax_f64
         picked = torch.from_numpy(fn(s.contiguous().numpy(), seed & ((1 << 64) - 1), step & _M32,
-                                     *[x.contiguous().numpy() for x in key], float(hi), torch.get_num_threads()))
-    else:
-        picked = _pruned_argmax(s, m, hi, _row_state(seed, step, *key))
+                                     *[x.contiguous().numpy() for x in key], float(hi), torch.get_num_threads(),
+                                     NATIVE_VECTOR))
+        if bool((picked < 0).any()):  # a row with NaN (the kernel's -1): the call takes the torch path
+            picked = None
+    if picked is None:
+        picked = _pruned_argmax(s, hi, _row_state(seed, step, *key))
     if rows is None:
         return picked
     return tokens.index_put((rows,), picked)

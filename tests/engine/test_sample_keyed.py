@@ -1,7 +1,10 @@
 """``sample_keyed`` (greedy rows without noise, the other rows hashing only the tokens that can
 win) gives exactly the tokens of the full-noise reference ``sample(logits, gumbel_noise(...))``,
-on both of its paths: torch ops, and the fused C++ kernel (csrc/keyed_gumbel.cpp; its noise is
-also compared with torch's on every one of the 2**23 values)."""
+on each of its paths: torch ops, and the fused C++ kernel (csrc/keyed_gumbel.cpp) on its scalar
+and its AVX-512 path (the noise of both is also compared with torch's on every one of the 2**23
+values)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,24 +12,30 @@ from megarl.engine import sampler
 from megarl.engine.sampler import gumbel_noise, sample, sample_keyed
 
 NATIVE_BUILT = sampler._native is not None
+PATHS = {"torch": (False, False), "scalar": (True, False), "avx512": (True, True)}  # (USE_NATIVE, NATIVE_VECTOR)
 
 
-@pytest.fixture(autouse=True, params=["torch", "native"])
+@pytest.fixture(autouse=True, params=list(PATHS))
 def path(request, monkeypatch):
-    """Every test below runs on the torch path and on the C++ kernel (skipped only if not built)."""
-    if request.param == "native" and not NATIVE_BUILT:
+    """Every test below runs on the torch path and on both paths of the C++ kernel (skipped only
+    if it is not built, or for the AVX-512 one, if this CPU lacks AVX-512)."""
+    native, vector = PATHS[request.param]
+    if native and not NATIVE_BUILT:
         pytest.skip(f"megarl._keyed_gumbel is not built: {sampler._NATIVE_ERROR}")
-    monkeypatch.setattr(sampler, "USE_NATIVE", request.param == "native")
+    if vector and not sampler._native.avx512:
+        pytest.skip("this CPU has no AVX-512")
+    monkeypatch.setattr(sampler, "USE_NATIVE", native)
+    monkeypatch.setattr(sampler, "NATIVE_VECTOR", vector)
     return request.param
 
 
 def test_native_noise_equals_torch_on_every_value(path):
     """The kernel's noise of each of the 2**23 possible hash prefixes, bit for bit torch's
     ``_gumbel`` (float32 op by op: a fused multiply-add or another log would show here)."""
-    if path != "native":
+    if path == "torch":
         pytest.skip("a property of the kernel")
     idx = torch.arange(1 << 23, dtype=torch.int64)
-    got = torch.from_numpy(sampler._native.gumbel_values(idx.numpy()))
+    got = torch.from_numpy(sampler._native.gumbel_values(idx.numpy(), vector=path == "avx512"))
     want = torch.cat([sampler._gumbel(c << 9, torch.float32) for c in idx.split(1 << 20)])
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -38,6 +47,13 @@ def test_the_path_in_use_is_the_one_asked_for(path, monkeypatch):
     sample_keyed(torch.randn(2, 50), 1.0, 0, 1.0, 1, 2, torch.arange(2), torch.zeros(2, dtype=torch.int64),
                  torch.arange(2))
     assert bool(calls) == (path == "torch")
+    if path != "torch":  # and the kernel is asked for the path of the fixture
+        real, seen = sampler._native, []
+        monkeypatch.setattr(sampler, "_native", SimpleNamespace(
+            keyed_argmax_f32=lambda *a: seen.append(a[-1]) or real.keyed_argmax_f32(*a)))
+        sample_keyed(torch.randn(2, 50), 1.0, 0, 1.0, 1, 2, torch.arange(2), torch.zeros(2, dtype=torch.int64),
+                     torch.arange(2))
+        assert seen == [path == "avx512"]
 
 
 def _case(n, v, dtype, scale, seed):
@@ -123,3 +139,31 @@ def test_keys_at_their_extremes():
     for seed, step in (((1 << 64) - 1, (1 << 32) + 7), (-3, -1), (0, 0)):
         full = sample(logits, gumbel_noise(seed, step, *key, 3000, torch.float32), 1.0).tokens
         assert torch.equal(sample_keyed(logits, 1.0, 0, 1.0, seed, step, *key), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", ["two tokens", "full chunk"])
+def test_lowest_id_wins_a_tie_the_probe_does_not_see(dtype, chunk):
+    """Scores that tie by rounding (spacing 4 at 2**25 in float32, 2**54 in float64): 16 tokens at
+    ``a`` with noise < -2 (the probed ones) all score ``a - 4``, and so do lower-id tokens at ``a - 4``
+    with |noise| < 2, found later in the scan, in one chunk of 16: two of them (a partly pruned
+    chunk) or the whole chunk. The lowest id of those wins, not the probed token nor a later lane."""
+    v = (1 << 16) + 5
+    key = [torch.tensor([9]), torch.tensor([1]), torch.tensor([4])]
+    g = gumbel_noise(1, 2, *key, v, torch.float32)[0]
+    a = 2.0 ** (25 if dtype == torch.float32 else 54) + 64
+    low = (g < -2.01).nonzero()[:, 0]
+    probed = low[low >= v // 2][:16]  # high ids
+    small = (g.abs() < 1.99).view(-1)[: v // 2 // 16 * 16].view(-1, 16)
+    logits = torch.full((1, v), -float("inf"), dtype=dtype)
+    logits[0, probed] = a
+    if chunk == "full chunk":
+        c = int(small.all(dim=1).nonzero()[0, 0])
+        tied = torch.arange(16 * c, 16 * c + 16)
+    else:
+        c = int((small.sum(dim=1) >= 2).nonzero()[3, 0])
+        tied = (16 * c + small[c].nonzero()[:, 0])[:2]
+    logits[0, tied] = a - 4
+    full = sample(logits, gumbel_noise(1, 2, *key, v, dtype), 1.0).tokens
+    assert len(probed) == 16 and full.tolist() == [int(tied[0])]
+    assert sample_keyed(logits, 1.0, 0, 1.0, 1, 2, *key).tolist() == [int(tied[0])]

@@ -208,6 +208,9 @@ def test_filter_top_k_top_p_hand_computed():
     two = torch.cat([lg, lg])
     out = filter_logits(two, torch.tensor([1.0, 1.0]), torch.tensor([1, 0]), torch.tensor([1.0, 0.9]))
     assert out.tolist() == [[inf, inf, inf, 3.0], [2.0, 1.0, inf, 3.0]]
+    # per-row temperatures, one row at T = 1 (which the division skips) and T = 0 read as 1
+    out = filter_logits(torch.cat([lg, lg, lg]), torch.tensor([1.0, 2.0, 0.0]), 0, 1.0)
+    assert out.tolist() == [[2.0, 1.0, 0.0, 3.0], [1.0, 0.5, 0.0, 1.5], [2.0, 1.0, 0.0, 3.0]]
     # top_p = 1 keeps even tokens whose cumulative mass rounds to 1
     far = torch.tensor([[0.0, -60.0, -80.0]], dtype=torch.float32)
     assert torch.isfinite(filter_logits(far, 1.0, 0, 1.0)).all()
