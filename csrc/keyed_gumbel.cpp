@@ -434,41 +434,28 @@ py::array_t<int64_t> keyed_argmax(py::array_t<T, py::array::c_style> scores, uin
   return out;
 }
 
-std::vector<int32_t> hash_prefixes(const py::array_t<int64_t, py::array::c_style>& idx) {
+// The noise (bound = false), or the bucket bound the kernel prunes with (bound = true), of hash
+// prefixes idx, by the AVX-512 path where vector and the CPU allow it, else the scalar one: for
+// the parity tests.
+py::array_t<float> prefix_noise(py::array_t<int64_t, py::array::c_style> idx, bool vector, bool bound) {
   std::vector<int32_t> narrow(idx.size());
   const int64_t* in = idx.data();
   for (size_t i = 0; i < narrow.size(); ++i) {
     if (in[i] < 0 || in[i] >= (int64_t(1) << 23)) throw std::invalid_argument("idx must be in [0, 2**23)");
     narrow[i] = static_cast<int32_t>(in[i]);
   }
-  return narrow;
-}
-
-py::array_t<float> gumbel_values(py::array_t<int64_t, py::array::c_style> idx, bool vector) {
-  const std::vector<int32_t> narrow = hash_prefixes(idx);
   py::array_t<float> out(idx.size());
   float* o = out.mutable_data();
 #if defined(__x86_64__)
   if (vector && has_avx512()) {
-    gumbel_values_avx512(narrow.data(), o, idx.size(), false);
+    gumbel_values_avx512(narrow.data(), o, idx.size(), bound);
     return out;
   }
 #endif
-  for (size_t i = 0; i < narrow.size(); ++i) o[i] = gumbel_of(static_cast<uint32_t>(narrow[i]));
-  return out;
-}
-
-py::array_t<float> gumbel_bounds(py::array_t<int64_t, py::array::c_style> idx, bool vector) {
-  const std::vector<int32_t> narrow = hash_prefixes(idx);
-  py::array_t<float> out(idx.size());
-  float* o = out.mutable_data();
-#if defined(__x86_64__)
-  if (vector && has_avx512()) {
-    gumbel_values_avx512(narrow.data(), o, idx.size(), true);
-    return out;
+  for (size_t i = 0; i < narrow.size(); ++i) {
+    const uint32_t x = static_cast<uint32_t>(narrow[i]);
+    o[i] = bound ? kNoiseBounds.by_bucket[bucket_of(x)] : gumbel_of(x);
   }
-#endif
-  for (size_t i = 0; i < narrow.size(); ++i) o[i] = kNoiseBounds.by_bucket[bucket_of(static_cast<uint32_t>(narrow[i]))];
   return out;
 }
 
@@ -484,9 +471,11 @@ PYBIND11_MODULE(_keyed_gumbel, m) {
   m.def("keyed_argmax_f64", &keyed_argmax<double>, py::arg("scores"), py::arg("seed"), py::arg("step"),
         py::arg("uid"), py::arg("sample_idx"), py::arg("position"), py::arg("hi"), py::arg("threads") = 1,
         py::arg("vector") = true, "The same for float64 scores (the float32 noise widened).");
-  m.def("gumbel_values", &gumbel_values, py::arg("idx"), py::arg("vector") = true,
+  m.def("gumbel_values", [](py::array_t<int64_t, py::array::c_style> idx, bool vector) {
+          return prefix_noise(idx, vector, false); }, py::arg("idx"), py::arg("vector") = true,
         "The noise of hashes whose top 23 bits are idx (float32), for the parity tests.");
-  m.def("gumbel_bounds", &gumbel_bounds, py::arg("idx"), py::arg("vector") = true,
+  m.def("gumbel_bounds", [](py::array_t<int64_t, py::array::c_style> idx, bool vector) {
+          return prefix_noise(idx, vector, true); }, py::arg("idx"), py::arg("vector") = true,
         "The bound on the noise that the kernel prunes with before the logarithms, per hash prefix idx "
         "(for the tests).");
   m.attr("avx512") = has_avx512();  // whether vector=True runs the AVX-512 path on this CPU
